@@ -1,0 +1,1 @@
+"""Qwen3.5 (dense and MoE) training in JAX."""
