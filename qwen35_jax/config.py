@@ -1,0 +1,353 @@
+"""Qwen3.5 text-model configuration: one frozen dataclass, HF config.json in and out, named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+LAYER_KINDS = ("linear_attention", "full_attention")
+DTYPES = ("float32", "bfloat16", "float16")
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
+_TEXT_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+_ARCHITECTURES = {
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
+}
+
+
+def hybrid_layer_types(num_layers: int, full_attention_interval: int = 4) -> tuple[str, ...]:
+    """HF's default layout: every `full_attention_interval`-th layer is full attention, the rest GDN."""
+    if full_attention_interval < 1:
+        raise ValueError(f"full_attention_interval must be >= 1, got {full_attention_interval}")
+    return tuple(
+        "full_attention" if (i + 1) % full_attention_interval == 0 else "linear_attention"
+        for i in range(num_layers)
+    )
+
+
+@dataclass(frozen=True)
+class Qwen35Config:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # dense MLP width; 0 for MoE models (every layer is sparse)
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    partial_rotary_factor: float
+    mrope_section: tuple[int, ...] | None  # (t, h, w) rotary pairs; None = plain 1-D rotary
+    mrope_interleaved: bool
+    tie_word_embeddings: bool
+    layer_types: tuple[str, ...]
+    linear_conv_kernel_dim: int
+    linear_key_head_dim: int
+    linear_value_head_dim: int
+    linear_num_key_heads: int
+    linear_num_value_heads: int
+    num_experts: int  # 0 = dense MLP
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    shared_expert_intermediate_size: int
+    norm_topk_prob: bool
+    hf_model_type: str
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    gdn_chunk_size: int = 64
+    remat: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        if self.mrope_section is not None:
+            object.__setattr__(self, "mrope_section", tuple(int(s) for s in self.mrope_section))
+        self._validate()
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        def positive(*names: str) -> None:
+            for n in names:
+                if int(getattr(self, n)) < 1:
+                    raise ValueError(f"Qwen35Config.{n} must be >= 1, got {getattr(self, n)}")
+
+        positive("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "gdn_chunk_size")
+        if self.hf_model_type not in MODEL_TYPES:
+            raise ValueError(f"unsupported hf_model_type {self.hf_model_type!r}; expected one of {MODEL_TYPES}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be divisible by "
+                f"num_key_value_heads ({self.num_key_value_heads})")
+        if len(self.layer_types) != self.num_hidden_layers:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries but num_hidden_layers is {self.num_hidden_layers}")
+        for kind in self.layer_types:
+            if kind not in LAYER_KINDS:
+                raise ValueError(f"layer_types entry {kind!r} is not one of {LAYER_KINDS}")
+        if "linear_attention" in self.layer_types:
+            positive("linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                     "linear_num_key_heads", "linear_num_value_heads")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ValueError(
+                    f"linear_num_value_heads ({self.linear_num_value_heads}) must be divisible by "
+                    f"linear_num_key_heads ({self.linear_num_key_heads})")
+        if not 0.0 < self.partial_rotary_factor <= 1.0:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        if self.rotary_dim % 2:
+            raise ValueError(f"rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} must be even")
+        if self.mrope_section is not None:
+            if len(self.mrope_section) != 3 or any(s < 0 for s in self.mrope_section):
+                raise ValueError(f"mrope_section must be 3 non-negative ints, got {self.mrope_section}")
+            if sum(self.mrope_section) > self.rotary_dim // 2:
+                raise ValueError(
+                    f"mrope_section {self.mrope_section} sums past rotary_dim/2 = {self.rotary_dim // 2}")
+            if not self.mrope_interleaved:
+                raise ValueError("mrope_interleaved=False is not implemented (Qwen3.5 uses interleaved mrope)")
+        if self.is_moe:
+            positive("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
+            if self.num_experts_per_tok > self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
+            if self.hf_model_type not in ("qwen3_5_moe_text", "qwen3_5_moe"):
+                raise ValueError(f"num_experts > 0 needs an MoE model type, got {self.hf_model_type!r}")
+        else:
+            positive("intermediate_size")
+            if self.hf_model_type not in ("qwen3_5_text", "qwen3_5"):
+                raise ValueError(f"num_experts == 0 needs a dense model type, got {self.hf_model_type!r}")
+        for n in ("dtype", "param_dtype"):
+            if getattr(self, n) not in DTYPES:
+                raise ValueError(f"Qwen35Config.{n} must be one of {DTYPES}, got {getattr(self, n)!r}")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def block_period(self) -> int:
+        """Smallest P dividing num_hidden_layers with layer_types[i] == layer_types[i % P]."""
+        n = self.num_hidden_layers
+        for p in range(1, n + 1):
+            if n % p == 0 and all(self.layer_types[i] == self.layer_types[i % p] for i in range(n)):
+                return p
+        return n
+
+    @property
+    def num_blocks(self) -> int:
+        return self.num_hidden_layers // self.block_period
+
+    def replace(self, **changes: Any) -> "Qwen35Config":
+        return dataclasses.replace(self, **changes)
+
+    # ------------------------------------------------------------------ HF in
+    @classmethod
+    def from_hf(cls, source: Any, **overrides: Any) -> "Qwen35Config":
+        """Build from a config.json path (file or directory), a dict, or a transformers config object."""
+        if isinstance(source, (str, os.PathLike)):
+            path = os.fspath(source)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            try:
+                with open(path) as f:
+                    raw = json.load(f)
+            except FileNotFoundError:
+                raise ValueError(f"config file not found: {path}") from None
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} is not valid JSON: {e}") from None
+        elif isinstance(source, Mapping):
+            raw = dict(source)
+        elif hasattr(source, "to_dict"):
+            raw = source.to_dict()
+        else:
+            raise ValueError(f"from_hf expects a path, a dict or a transformers config, got {type(source).__name__}")
+        return cls(**{**_parse_hf(raw), **overrides})
+
+    # ------------------------------------------------------------------ HF out
+    def to_hf_dict(self) -> dict[str, Any]:
+        """A config.json dict of `hf_model_type` that transformers' AutoConfig accepts."""
+        text_type = _TEXT_TYPE.get(self.hf_model_type, self.hf_model_type)
+        rope: dict[str, Any] = {
+            "rope_type": "default",
+            "rope_theta": self.rope_theta,
+            "partial_rotary_factor": self.partial_rotary_factor,
+        }
+        if self.mrope_section is not None:
+            rope["mrope_section"] = list(self.mrope_section)
+            rope["mrope_interleaved"] = self.mrope_interleaved
+        text: dict[str, Any] = {
+            "model_type": text_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "attention_bias": False,
+            "rope_parameters": rope,
+            "layer_types": list(self.layer_types),
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "dtype": self.param_dtype,
+        }
+        if self.is_moe:
+            text.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+            )
+        else:
+            text["intermediate_size"] = self.intermediate_size
+        if text_type == self.hf_model_type:
+            return {"architectures": [_ARCHITECTURES[self.hf_model_type]], **text}
+        return {
+            "architectures": [_ARCHITECTURES[self.hf_model_type]],
+            "model_type": self.hf_model_type,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "text_config": text,
+        }
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def preset(cls, name: str, **overrides: Any) -> "Qwen35Config":
+        if name not in PRESETS:
+            raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+        return cls(**{**PRESETS[name], **overrides})
+
+
+def _parse_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """HF config.json dict -> Qwen35Config kwargs; anything we do not implement is a ValueError."""
+    model_type = raw.get("model_type")
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
+    text = raw
+    tie = raw.get("tie_word_embeddings")
+    if model_type in _TEXT_TYPE:
+        text = raw.get("text_config") or {}
+        if not isinstance(text, Mapping):
+            raise ValueError(f"text_config of a {model_type} config must be a dict")
+        if text.get("tie_word_embeddings") is not None:
+            tie = text["tie_word_embeddings"]
+    is_moe = model_type.startswith("qwen3_5_moe")
+
+    def get(key: str, default: Any = None) -> Any:
+        return text.get(key, default) if text.get(key) is not None else default
+
+    if get("hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {get('hidden_act')!r} is not supported (only silu)")
+    if get("attention_bias", False):
+        raise ValueError("attention_bias=true is not supported")
+    if not get("attn_output_gate", True):
+        raise ValueError("attn_output_gate=false is not supported")
+    if get("mlp_only_layers", []):
+        raise ValueError(f"mlp_only_layers {get('mlp_only_layers')} is not supported (every layer is MoE)")
+    if get("decoder_sparse_step", 1) != 1:
+        raise ValueError(f"decoder_sparse_step {get('decoder_sparse_step')} is not supported (must be 1)")
+    if is_moe and get("norm_topk_prob", True) is False:
+        raise ValueError("norm_topk_prob=false is not supported (Qwen3.5 MoE renormalises top-k weights)")
+
+    rope = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only default)")
+    rope_theta = rope.get("rope_theta", get("rope_theta", 10_000.0))
+    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25))
+    mrope_section = rope.get("mrope_section", [11, 11, 10])
+    mrope_interleaved = bool(rope.get("mrope_interleaved", True))
+
+    num_layers = int(get("num_hidden_layers", 32 if not is_moe else 40))
+    layer_types = get("layer_types", None)
+    if layer_types is None:
+        layer_types = hybrid_layer_types(num_layers, int(get("full_attention_interval", 4)))
+
+    hidden = int(get("hidden_size", 4096 if not is_moe else 2048))
+    heads = int(get("num_attention_heads", 16))
+    return dict(
+        vocab_size=int(get("vocab_size", 248320)),
+        hidden_size=hidden,
+        intermediate_size=0 if is_moe else int(get("intermediate_size", 12288)),
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(get("num_key_value_heads", 4 if not is_moe else 2)),
+        head_dim=int(get("head_dim", 256)),
+        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope_theta),
+        partial_rotary_factor=float(partial),
+        mrope_section=tuple(mrope_section) if mrope_section is not None else None,
+        mrope_interleaved=mrope_interleaved,
+        tie_word_embeddings=bool(tie) if tie is not None else False,
+        layer_types=tuple(layer_types),
+        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
+        linear_key_head_dim=int(get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(get("linear_value_head_dim", 128)),
+        linear_num_key_heads=int(get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(get("linear_num_value_heads", 32)),
+        num_experts=int(get("num_experts", 256)) if is_moe else 0,
+        num_experts_per_tok=int(get("num_experts_per_tok", 8)) if is_moe else 0,
+        moe_intermediate_size=int(get("moe_intermediate_size", 512)) if is_moe else 0,
+        shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 512)) if is_moe else 0,
+        norm_topk_prob=True if is_moe else False,
+        hf_model_type=model_type,
+    )
+
+
+def _published(*, hidden: int, layers: int, heads: int, kv_heads: int, linear_v_heads: int,
+               linear_k_heads: int = 16, tied: bool, intermediate: int = 0, experts: int = 0, topk: int = 0,
+               moe_intermediate: int = 0, shared_intermediate: int = 0) -> dict[str, Any]:
+    """Common Qwen3.5 settings (vocab 248320, head_dim 256, GDN heads of 128, 3 GDN + 1 attention)."""
+    return dict(
+        vocab_size=248320, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+        num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=10_000_000.0, partial_rotary_factor=0.25, mrope_section=(11, 11, 10), mrope_interleaved=True,
+        tie_word_embeddings=tied, layer_types=hybrid_layer_types(layers, 4), linear_conv_kernel_dim=4,
+        linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=linear_k_heads,
+        linear_num_value_heads=linear_v_heads, num_experts=experts, num_experts_per_tok=topk,
+        moe_intermediate_size=moe_intermediate, shared_expert_intermediate_size=shared_intermediate,
+        norm_topk_prob=experts > 0, hf_model_type="qwen3_5_moe" if experts else "qwen3_5",
+    )
+
+
+_TINY = dict(
+    vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+    mrope_section=(1, 1, 0), mrope_interleaved=True, tie_word_embeddings=True,
+    layer_types=hybrid_layer_types(4, 4), linear_conv_kernel_dim=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=0,
+    num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0, norm_topk_prob=False,
+    hf_model_type="qwen3_5_text",
+)
+
+# Published sizes: see docs/model.md for the source of each number.
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": _TINY,
+    "tiny-moe": {**_TINY, "intermediate_size": 0, "num_experts": 8, "num_experts_per_tok": 2,
+                 "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "norm_topk_prob": True,
+                 "hf_model_type": "qwen3_5_moe_text"},
+    "0.8B": _published(hidden=1024, layers=24, heads=8, kv_heads=2, linear_v_heads=16, tied=True,
+                       intermediate=3584),
+    "4B": _published(hidden=2560, layers=32, heads=16, kv_heads=4, linear_v_heads=32, tied=True,
+                     intermediate=9216),
+    "9B": _published(hidden=4096, layers=32, heads=16, kv_heads=4, linear_v_heads=32, tied=False,
+                     intermediate=12288),
+    "27B": _published(hidden=5120, layers=64, heads=24, kv_heads=4, linear_v_heads=48, tied=False,
+                      intermediate=17408),
+    "35B-A3B": _published(hidden=2048, layers=40, heads=16, kv_heads=2, linear_v_heads=32, tied=False,
+                          experts=256, topk=8, moe_intermediate=512, shared_intermediate=512),
+    "397B-A17B": _published(hidden=4096, layers=60, heads=32, kv_heads=2, linear_v_heads=64, tied=False,
+                            experts=512, topk=10, moe_intermediate=1024, shared_intermediate=1024),
+}
