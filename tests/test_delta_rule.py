@@ -1,0 +1,134 @@
+"""Chunked gated delta rule == per-token recurrence == the transformers reference; documents reset."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers.models.qwen3_next.modeling_qwen3_next import (
+    torch_chunk_gated_delta_rule,
+    torch_recurrent_gated_delta_rule,
+)
+
+from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+
+B, HK, HV, DK, DV = 2, 2, 4, 8, 8
+
+
+def _l2(x):
+    return x / np.sqrt((x * x).sum(-1, keepdims=True) + 1e-6)
+
+
+def _inputs(S, seed=0):
+    """q, k L2-normed (q not yet scaled), v, g <= 0, beta in (0, 1), a random initial state."""
+    rng = np.random.default_rng(seed)
+    q = _l2(rng.normal(size=(B, S, HK, DK))).astype(np.float32)
+    k = _l2(rng.normal(size=(B, S, HK, DK))).astype(np.float32)
+    v = rng.normal(size=(B, S, HV, DV)).astype(np.float32)
+    g = (-np.exp(rng.normal(size=(B, S, HV)) - 1.0)).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.normal(size=(B, S, HV))))).astype(np.float32)
+    state = rng.normal(size=(B, HV, DK, DV)).astype(np.float32)
+    return q, k, v, g, beta, state
+
+
+def _close(a, b, atol=1e-5):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=0)
+
+
+@pytest.mark.parametrize("S", [1, 7, 64, 70, 200])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunked_equals_recurrent(S, chunk_size, with_state):
+    q, k, v, g, beta, state = _inputs(S)
+    q = q * DK**-0.5
+    init = state if with_state else None
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=init)
+    o, s = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=init, chunk_size=chunk_size)
+    assert o.shape == (B, S, HV, DV) and s.shape == (B, HV, DK, DV)
+    _close(o, o_ref)
+    _close(s, s_ref)
+
+
+@pytest.mark.parametrize("S", [7, 70])
+def test_matches_transformers_reference(S):
+    q, k, v, g, beta, state = _inputs(S, seed=1)
+    t = [torch.from_numpy(x) for x in (q, k, v, g, beta, state)]
+    o_rec, s_rec = torch_recurrent_gated_delta_rule(
+        *t[:3], g=t[3], beta=t[4], initial_state=t[5], output_final_state=True
+    )
+    o_chk, s_chk = torch_chunk_gated_delta_rule(
+        *t[:3], g=t[3], beta=t[4], initial_state=t[5], output_final_state=True, chunk_size=16
+    )
+    qs = q * DK**-0.5  # ours takes q already scaled
+    o, s = recurrent_gated_delta_rule(qs, k, v, g, beta, initial_state=state)
+    _close(o, o_rec.numpy())
+    _close(s, s_rec.numpy())
+    o, s = chunked_gated_delta_rule(qs, k, v, g, beta, initial_state=state, chunk_size=16)
+    _close(o, o_chk.numpy())
+    _close(s, s_chk.numpy())
+
+
+@pytest.mark.parametrize("fn", ["recurrent", "chunked"])
+def test_packed_documents_equal_separate_runs(fn):
+    """Docs starting mid-chunk, a doc spanning chunks, a padding gap and a padding tail."""
+    S = 70
+    q, k, v, g, beta, state = _inputs(S, seed=2)
+    q = q * DK**-0.5
+    # row 0: [1]*5 [2]*30 [3]*25 pad*10; row 1: [7]*20 pad*4 [7]*30 [1]*16 (7 again is a new doc)
+    docs = {0: [(0, 5), (5, 35), (35, 60)], 1: [(0, 20), (24, 54), (54, 70)]}
+    seg = np.zeros((B, S), np.int32)
+    seg[0, 0:5], seg[0, 5:35], seg[0, 35:60] = 1, 2, 3
+    seg[1, 0:20], seg[1, 24:54], seg[1, 54:70] = 7, 7, 1
+    run = {
+        "recurrent": recurrent_gated_delta_rule,
+        "chunked": lambda *a, **kw: chunked_gated_delta_rule(*a, chunk_size=16, **kw),
+    }[fn]
+    out, final = run(q, k, v, g, beta, segment_ids=jnp.asarray(seg), initial_state=state)
+    for b, spans in docs.items():
+        covered = np.zeros(S, bool)
+        for i, (lo, hi) in enumerate(spans):
+            sl = slice(lo, hi)
+            init = state[b : b + 1] if i == 0 else None  # the initial state continues the first doc
+            o_doc, s_doc = recurrent_gated_delta_rule(
+                q[b : b + 1, sl], k[b : b + 1, sl], v[b : b + 1, sl], g[b : b + 1, sl], beta[b : b + 1, sl],
+                initial_state=init,
+            )
+            _close(out[b, sl], o_doc[0])
+            covered[sl] = True
+        _close(out[b, ~covered], np.zeros_like(out[b, ~covered]))  # padding outputs zeros
+        _close(final[b], s_doc[0])  # the last document's state; trailing padding is a no-op
+
+
+def test_gradients_chunked_equal_recurrent():
+    S = 40
+    q, k, v, g, beta, state = _inputs(S, seed=3)
+    q = q * DK**-0.5
+    seg = np.ones((B, S), np.int32)
+    seg[0, 13:] = 2
+    seg[1, 35:] = 0
+    w = np.random.default_rng(4).normal(size=(B, S, HV, DV)).astype(np.float32)
+    ws = np.random.default_rng(5).normal(size=(B, HV, DK, DV)).astype(np.float32)
+
+    def loss(fn, *args):
+        o, s = fn(*args, segment_ids=jnp.asarray(seg), initial_state=state)
+        return jnp.sum(o * w) + jnp.sum(s * ws)
+
+    chunked = lambda *a, **kw: chunked_gated_delta_rule(*a, chunk_size=16, **kw)  # noqa: E731
+    args = (q, k, v, g, beta)
+    ref = jax.grad(lambda *a: loss(recurrent_gated_delta_rule, *a), argnums=range(5))(*args)
+    got = jax.grad(lambda *a: loss(chunked, *a), argnums=range(5))(*args)
+    for name, r, c in zip("q k v g beta".split(), ref, got):
+        r, c = np.asarray(r), np.asarray(c)
+        assert np.abs(r).max() > 0, name
+        err = np.abs(r - c).max() / np.abs(r).max()
+        assert err < 1e-4, f"{name}: relative error {err}"
+
+
+def test_bad_shapes_are_named():
+    q, k, v, g, beta, state = _inputs(5)
+    with pytest.raises(ValueError, match="beta"):
+        chunked_gated_delta_rule(q, k, v, g, beta[:, :, :1])
+    with pytest.raises(ValueError, match="initial_state"):
+        recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state[:, :1])
+    with pytest.raises(ValueError, match="segment_ids"):
+        chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=jnp.ones((B, 4), jnp.int32))
