@@ -1,0 +1,58 @@
+"""Gated full attention: q_proj gives [query, gate] per head, q/k RMSNorm, partial rotary, GQA, sigmoid gate."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.norms import RMSNorm
+from qwen35_jax.layers.rope import apply_rope
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """Causal softmax attention that never crosses documents; softmax in float32.
+
+    q: [B, S, H, Dh] (normed, rotated), k/v: [B, S, K, Dh] with H % K == 0, segment_ids: [B, S]
+    -> [B, S, H, Dh]. Scale 1/sqrt(Dh). Query head h reads kv head h // (H // K).
+    """
+    b, s, h, dh = q.shape
+    kh = k.shape[2]
+    qg = q.reshape(b, s, kh, h // kh, dh)  # [B, S, K, G, Dh]
+    logits = jnp.einsum("bskgd,btkd->bkgst", qg, k).astype(jnp.float32) * (dh ** -0.5)  # [B, K, G, S, S]
+    causal = jnp.tril(jnp.ones((s, s), bool))
+    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
+    mask = (causal[None] & same_doc)[:, None, None]  # [B, 1, 1, S, S]
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)  # [B, S, K, G, Dh]
+    return out.reshape(b, s, h, dh)
+
+
+class Attention(nnx.Module):
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
+        c = config
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        lin = dict(use_bias=False, dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), rngs=rngs,
+                   kernel_init=nnx.initializers.normal(0.02))
+        d, h, kh, dh = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nnx.Linear(d, h * dh * 2, **lin)  # output [H, 2, Dh]: query then gate per head
+        self.k_proj = nnx.Linear(d, kh * dh, **lin)
+        self.v_proj = nnx.Linear(d, kh * dh, **lin)
+        self.o_proj = nnx.Linear(h * dh, d, **lin)
+        self.q_norm = RMSNorm(dh, eps=c.rms_norm_eps, param_dtype=c.param_dtype)
+        self.k_norm = RMSNorm(dh, eps=c.rms_norm_eps, param_dtype=c.param_dtype)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """x: [B, S, D], cos/sin: [B, S, R], segment_ids: [B, S] -> [B, S, D]"""
+        b, s, _ = x.shape
+        h, kh, dh = self.num_heads, self.num_kv_heads, self.head_dim
+        qg = self.q_proj(x).reshape(b, s, h, 2 * dh)
+        q, gate = qg[..., :dh], qg[..., dh:]  # [B, S, H, Dh] each
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, s, kh, dh)), cos, sin)
+        v = self.v_proj(x).reshape(b, s, kh, dh)
+        out = attention_core(q, k, v, segment_ids)  # [B, S, H, Dh]
+        out = out * jax.nn.sigmoid(gate)
+        return self.o_proj(out.reshape(b, s, h * dh))

@@ -1,0 +1,127 @@
+"""Qwen3.5 decoder stack: embed -> scan over the repeating block of layers (under remat) -> final norm."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.attention import Attention
+from qwen35_jax.layers.mlp import MLP
+from qwen35_jax.layers.moe import SparseMoeBlock
+from qwen35_jax.layers.norms import RMSNorm
+from qwen35_jax.layers.rope import rope_cos_sin
+
+
+class DecoderLayer(nnx.Module):
+    """Pre-norm residual layer: token mixer (`linear_attn` GDN or `self_attn`), then MLP or MoE."""
+
+    def __init__(self, config: Qwen35Config, kind: str, *, rngs: nnx.Rngs):
+        self.kind = kind
+        eps, pd = config.rms_norm_eps, config.param_dtype
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, param_dtype=pd)
+        if kind == "linear_attention":
+            from qwen35_jax.layers.gated_deltanet import GatedDeltaNet
+
+            self.linear_attn = GatedDeltaNet(config, rngs=rngs)
+        elif kind == "full_attention":
+            self.self_attn = Attention(config, rngs=rngs)
+        else:
+            raise ValueError(f"unknown layer kind {kind!r}")
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, param_dtype=pd)
+        self.mlp = SparseMoeBlock(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """x: [B, S, D], cos/sin: [B, S, R], segment_ids: [B, S] -> [B, S, D]"""
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            h = self.linear_attn(h, segment_ids)
+        else:
+            h = self.self_attn(h, cos, sin, segment_ids)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Block(nnx.Module):
+    """One period of `layer_types` (e.g. 3 GDN + 1 attention); stacked over blocks by the model."""
+
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
+        p = config.block_period
+        self.layers = nnx.List([DecoderLayer(config, config.layer_types[j], rngs=rngs) for j in range(p)])
+
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        for layer in self.layers:
+            x = layer(x, cos, sin, segment_ids)
+        return x
+
+
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+    """[B, S] -> [B, S] int32 positions restarting at 0 at every document start."""
+    s = segment_ids.shape[1]
+    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids.shape)
+    starts = jnp.concatenate(
+        [jnp.ones_like(segment_ids[:, :1], bool), segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+    return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
+
+
+class Qwen35ForCausalLM(nnx.Module):
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
+        self.config = config
+        dt, pd = jnp.dtype(config.dtype), jnp.dtype(config.param_dtype)
+        self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dt, param_dtype=pd, rngs=rngs,
+                                      embedding_init=nnx.initializers.normal(0.02))
+
+        @nnx.split_rngs(splits=config.num_blocks)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(config, rngs=rngs)
+
+        self.blocks = make_blocks(rngs)  # every param gains a leading [num_blocks] axis
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps, param_dtype=config.param_dtype)
+        if not config.tie_word_embeddings:
+            self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dt,
+                                      param_dtype=pd, rngs=rngs, kernel_init=nnx.initializers.normal(0.02))
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+        """tokens [B, S] int, positions [B, S] or [3, B, S], segment_ids [B, S] (>= 1, 0 = padding)
+        -> final-normed hidden states [B, S, D] in the compute dtype (no lm_head)."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [B, S], got shape {tokens.shape}")
+        if segment_ids is None:
+            segment_ids = jnp.ones(tokens.shape, jnp.int32)
+            if positions is None:
+                positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+        elif positions is None:
+            positions = document_positions(segment_ids)
+        if positions.shape[-2:] != tokens.shape:
+            raise ValueError(f"positions shape {positions.shape} does not match tokens {tokens.shape}")
+        if positions.ndim == 2 and self.config.mrope_section is not None:
+            positions = jnp.broadcast_to(positions, (3, *positions.shape))  # text: t = h = w
+        cos, sin = rope_cos_sin(positions, self.config)  # [B, S, R]
+        x = self.embed_tokens(tokens)  # [B, S, D]
+
+        def step(block: Block, x: jax.Array) -> jax.Array:
+            return block(x, cos, sin, segment_ids)
+
+        if self.config.remat:
+            step = nnx.remat(step)
+
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+        def run(block: Block, x: jax.Array) -> jax.Array:
+            return step(block, x)
+
+        x = run(self.blocks, x)
+        return self.norm(x)
+
+    def lm_head_weight(self) -> jax.Array:
+        """[D, V]: the lm_head kernel, or the embedding transposed when tied."""
+        if self.config.tie_word_embeddings:
+            return self.embed_tokens.embedding[...].T
+        return self.lm_head.kernel[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """hidden [B, S, D] -> logits [B, S, V] in float32 (matmul in the compute dtype)."""
+        w = self.lm_head_weight().astype(hidden.dtype)
+        return jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.float32)
