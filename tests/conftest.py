@@ -15,3 +15,29 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_enable_x64", False)
+
+import pytest  # noqa: E402
+
+
+def _mesh(fsdp: int, sp: int):
+    from qwen35_jax.parallel.mesh import make_mesh
+
+    return make_mesh((fsdp, sp))
+
+
+@pytest.fixture
+def mesh_1x8():
+    """fsdp=1, sp=8 over the eight simulated CPU devices."""
+    return _mesh(1, 8)
+
+
+@pytest.fixture
+def mesh_2x4():
+    """fsdp=2, sp=4."""
+    return _mesh(2, 4)
+
+
+@pytest.fixture
+def mesh_4x2():
+    """fsdp=4, sp=2."""
+    return _mesh(4, 2)

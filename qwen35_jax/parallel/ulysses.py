@@ -1,0 +1,211 @@
+"""Ulysses sequence parallelism: the seq <-> heads all-to-all around any per-head sequence mixer.
+
+Outside, activations are sequence shards [B, S/sp, H, d]. Inside `jax.shard_map` one all-to-all per
+input turns them into head shards over the whole sequence [B, S, H/sp, d]; the mixer (attention core,
+gated DeltaNet core) runs unchanged on its local heads; one all-to-all brings the output back to
+[B, S/sp, H, d]. This is exact: every mixer here is independent per head.
+
+Grouped heads (GQA kv heads, GDN key heads) that do not split evenly over sp are replicated before the
+all-to-all so that every device receives exactly the shared heads its own heads read.
+
+The wrappers read the context mesh (`jax.set_mesh(mesh)`); with no mesh, or sp == 1, they call the
+mixer directly, so single-device code is unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+from qwen35_jax.parallel.mesh import FSDP, SP, context_mesh, mesh_axis_size
+
+
+def valid_sp(n_heads: int, max_sp: int | None = None) -> list[int]:
+    """The sp sizes that divide `n_heads` (up to `max_sp`)."""
+    top = n_heads if max_sp is None else min(n_heads, max_sp)
+    return [s for s in range(1, top + 1) if n_heads % s == 0]
+
+
+def check_heads(n_heads: int, sp: int, what: str) -> None:
+    """One-line error when `n_heads` (the sharded head count) is not divisible by sp."""
+    if n_heads % sp:
+        raise ValueError(
+            f"{what} = {n_heads} is not divisible by sp = {sp}; valid sp values: {valid_sp(n_heads)}"
+        )
+
+
+def shared_head_index(n_heads: int, n_shared: int, sp: int) -> np.ndarray | None:
+    """Which shared (kv / key) head each device receives, for heads split contiguously over sp.
+
+    Head h reads shared head h // (n_heads // n_shared). Device r holds heads [r*Hl, (r+1)*Hl),
+    Hl = n_heads // sp. Returns the global shared-head index of every device's chunk, concatenated
+    ([sp * Kl], chunk r = the Kl shared heads of device r, in the order that keeps the local mapping
+    j -> j // (Hl // Kl)), or None when the plain split (Kl = n_shared // sp) already is that.
+    Kl is the smallest divisor of Hl that keeps each block of Hl // Kl heads on one shared head.
+    """
+    if n_heads % n_shared:
+        raise ValueError(f"{n_heads} heads do not split into {n_shared} shared (kv / key) heads")
+    group = n_heads // n_shared
+    local = n_heads // sp
+    if n_shared % sp == 0 and local % group == 0:
+        return None
+    for kl in range(1, local + 1):
+        if local % kl:
+            continue
+        block = local // kl
+        index = [
+            [(r * local + b * block + j) // group for j in range(block)]
+            for r in range(sp)
+            for b in range(kl)
+        ]
+        if all(len(set(row)) == 1 for row in index):
+            return np.array([row[0] for row in index], dtype=np.int32)
+    raise AssertionError("unreachable: kl = local heads always works")
+
+
+@dataclass(frozen=True)
+class Arg:
+    """How one mixer argument crosses the shard_map boundary.
+
+    kind:
+      - "seq_heads": a [B, S/sp, ..., H, ...] sequence shard; all-to-all'd to [B, S, ..., H/sp, ...].
+      - "seq": a [B, S/sp, ...] sequence shard without heads (segment ids); all-gathered to [B, S, ...].
+      - "heads": a weight with a head axis (conv kernels, A_log): each device takes its heads' slice.
+      - "replicated": the same on every device (a norm weight).
+    head_axis: the head axis of "seq_heads" / "heads".
+    index: global head per device chunk (see `shared_head_index`); applied before splitting.
+    """
+
+    kind: Literal["seq_heads", "seq", "heads", "replicated"]
+    head_axis: int = 2
+    index: np.ndarray | None = None
+
+
+def _spec(arg: Arg, ndim: int, batch: str | None) -> P:
+    spec: list[str | None] = [None] * ndim
+    if arg.kind in ("seq_heads", "seq"):
+        spec[0], spec[1] = batch, SP
+    elif arg.kind == "heads":
+        spec[arg.head_axis] = SP
+    return P(*spec)
+
+
+def ulysses_call(
+    core: Callable[..., jax.Array],
+    args: Sequence[jax.Array],
+    kinds: Sequence[Arg],
+    mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh,
+    *,
+    out_head_axis: int = 2,
+) -> jax.Array:
+    """Run `core(*args)` with sequence shards turned into head shards; returns [B, S/sp, H, ...]."""
+    sp = mesh_axis_size(mesh, SP)
+    first = next(a for a, k in zip(args, kinds) if k.kind == "seq_heads")
+    b, s = first.shape[:2]
+    if s % sp:
+        raise ValueError(f"sequence length {s} is not divisible by sp = {sp}; pad it (the model does)")
+    batch = FSDP if b % mesh_axis_size(mesh, FSDP) == 0 else None
+
+    prepared = []
+    for x, k in zip(args, kinds):
+        if k.index is not None:
+            x = jnp.take(x, jnp.asarray(k.index), axis=k.head_axis)  # replicate shared heads
+        prepared.append(x)
+    in_specs = tuple(_spec(k, x.ndim, batch) for x, k in zip(prepared, kinds))
+    out_spec = P(batch, SP, *([None] * (first.ndim - 2)))
+
+    def local(*xs: jax.Array) -> jax.Array:
+        inner = []
+        for x, k in zip(xs, kinds):
+            if k.kind == "seq_heads":  # [B, S/sp, H, d] -> [B, S, H/sp, d]
+                x = jax.lax.all_to_all(x, SP, split_axis=k.head_axis, concat_axis=1, tiled=True)
+            elif k.kind == "seq":  # [B, S/sp] -> [B, S]
+                x = jax.lax.all_gather(x, SP, axis=1, tiled=True)
+            inner.append(x)
+        out = core(*inner)  # [B, S, H/sp, d]
+        return jax.lax.all_to_all(out, SP, split_axis=1, concat_axis=out_head_axis, tiled=True)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(*prepared)
+
+
+def active_sp_mesh() -> jax.sharding.AbstractMesh | None:
+    """The context mesh when it has an sp axis > 1 that is not already manual, else None."""
+    mesh = context_mesh()
+    if mesh is None or mesh_axis_size(mesh, SP) == 1:
+        return None
+    types = dict(zip(mesh.axis_names, mesh.axis_types))
+    if types.get(SP) == AxisType.Manual:  # already inside a shard_map over sp
+        return None
+    return mesh
+
+
+def ulysses_attention(
+    core: Callable[..., jax.Array],
+    q: jax.Array,  # [B, S/sp, H, Dh]
+    k: jax.Array,  # [B, S/sp, K, Dh]
+    v: jax.Array,  # [B, S/sp, K, Dh]
+    segment_ids: jax.Array,  # [B, S/sp]
+) -> jax.Array:  # [B, S/sp, H, Dh]
+    """`core(q, k, v, segment_ids)` (causal attention) sequence-parallel over the context mesh."""
+    mesh = active_sp_mesh()
+    if mesh is None:
+        return core(q, k, v, segment_ids)
+    sp = mesh_axis_size(mesh, SP)
+    n_heads, n_kv = q.shape[2], k.shape[2]
+    check_heads(n_heads, sp, "attention query heads")
+    kv = shared_head_index(n_heads, n_kv, sp)
+    kinds = (Arg("seq_heads"), Arg("seq_heads", index=kv), Arg("seq_heads", index=kv), Arg("seq"))
+    return ulysses_call(core, (q, k, v, segment_ids), kinds, mesh)
+
+
+def ulysses_gdn(
+    core: Callable[..., jax.Array],
+    q: jax.Array,  # [B, S/sp, Hk, Dk]
+    k: jax.Array,  # [B, S/sp, Hk, Dk]
+    v: jax.Array,  # [B, S/sp, Hv, Dv]
+    z: jax.Array,  # [B, S/sp, Hv, Dv]
+    b: jax.Array,  # [B, S/sp, Hv]
+    a: jax.Array,  # [B, S/sp, Hv]
+    conv_q: jax.Array,  # [Kc, Hk, Dk]
+    conv_k: jax.Array,  # [Kc, Hk, Dk]
+    conv_v: jax.Array,  # [Kc, Hv, Dv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_weight: jax.Array,  # [Dv]
+    segment_ids: jax.Array,  # [B, S/sp]
+    **static: object,  # eps, chunk_size
+) -> jax.Array:  # [B, S/sp, Hv, Dv]
+    """The gated DeltaNet core sequence-parallel over value heads (key heads follow, replicated)."""
+    call = functools.partial(core, **static)
+    args = (q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids)
+    mesh = active_sp_mesh()
+    if mesh is None:
+        return call(*args)
+    sp = mesh_axis_size(mesh, SP)
+    n_v, n_k = v.shape[2], q.shape[2]
+    check_heads(n_v, sp, "gated DeltaNet value heads")
+    key = shared_head_index(n_v, n_k, sp)
+    kinds = (
+        Arg("seq_heads", index=key),
+        Arg("seq_heads", index=key),
+        Arg("seq_heads"),
+        Arg("seq_heads"),
+        Arg("seq_heads"),
+        Arg("seq_heads"),
+        Arg("heads", head_axis=1, index=key),
+        Arg("heads", head_axis=1, index=key),
+        Arg("heads", head_axis=1),
+        Arg("heads", head_axis=0),
+        Arg("heads", head_axis=0),
+        Arg("replicated"),
+        Arg("seq"),
+    )
+    return ulysses_call(call, args, kinds, mesh)
