@@ -27,6 +27,10 @@ from jax.sharding import PartitionSpec as P
 
 from qwen35_jax.parallel.mesh import FSDP, SP, context_mesh, mesh_axis_size
 
+# Named scopes of the two wrappers: they appear in the HLO metadata (op_name) of their collectives.
+ATTENTION_SCOPE = "ulysses_attention"
+GDN_SCOPE = "ulysses_gdn"
+
 
 def valid_sp(n_heads: int, max_sp: int | None = None) -> list[int]:
     """The sp sizes that divide `n_heads` (up to `max_sp`)."""
@@ -163,7 +167,8 @@ def ulysses_attention(
     check_heads(n_heads, sp, "attention query heads")
     kv = shared_head_index(n_heads, n_kv, sp)
     kinds = (Arg("seq_heads"), Arg("seq_heads", index=kv), Arg("seq_heads", index=kv), Arg("seq"))
-    return ulysses_call(core, (q, k, v, segment_ids), kinds, mesh)
+    with jax.named_scope(ATTENTION_SCOPE):
+        return ulysses_call(core, (q, k, v, segment_ids), kinds, mesh)
 
 
 def ulysses_gdn(
@@ -208,4 +213,5 @@ def ulysses_gdn(
         Arg("replicated"),
         Arg("seq"),
     )
-    return ulysses_call(call, args, kinds, mesh)
+    with jax.named_scope(GDN_SCOPE):
+        return ulysses_call(call, args, kinds, mesh)

@@ -1,0 +1,96 @@
+"""Ulysses all-to-all around the per-head mixers equals the unsharded mixer, on every mesh."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from qwen35_jax.layers.attention import attention_core
+from qwen35_jax.parallel.mesh import make_mesh
+from qwen35_jax.parallel.hlo import collectives
+from qwen35_jax.parallel.ulysses import ATTENTION_SCOPE, check_heads, shared_head_index, ulysses_attention
+
+
+def test_shared_head_index():
+    assert shared_head_index(8, 8, 4) is None  # plain split
+    assert shared_head_index(8, 4, 2) is None
+    assert shared_head_index(12, 4, 4) is None  # 3 query heads per device = one kv group
+    np.testing.assert_array_equal(shared_head_index(8, 2, 4), [0, 0, 1, 1])
+    np.testing.assert_array_equal(shared_head_index(8, 2, 8), [0, 0, 0, 0, 1, 1, 1, 1])
+    np.testing.assert_array_equal(shared_head_index(8, 1, 4), [0, 0, 0, 0])
+    # 3 query heads per device straddling groups of 4: one kv head per query head
+    np.testing.assert_array_equal(shared_head_index(12, 3, 4), [0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2])
+    # 4 query heads per device, groups of 2: two kv heads each
+    np.testing.assert_array_equal(shared_head_index(8, 4, 2), None)
+    np.testing.assert_array_equal(shared_head_index(16, 8, 4), None)
+
+
+def test_heads_not_divisible_error():
+    with pytest.raises(ValueError, match=r"query heads = 6 is not divisible by sp = 4; valid sp values: \[1, 2, 3, 6\]"):
+        check_heads(6, 4, "attention query heads")
+    mesh = make_mesh("fsdp=2,sp=4")
+    q = jnp.zeros((2, 8, 6, 4))
+    kv = jnp.zeros((2, 8, 2, 4))
+    with jax.set_mesh(mesh), pytest.raises(ValueError, match="valid sp values"):
+        ulysses_attention(attention_core, q, kv, kv, jnp.ones((2, 8), jnp.int32))
+
+
+def _attention_inputs(b, s, h, k, dh, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(keys[0], (b, s, h, dh))
+    kk = jax.random.normal(keys[1], (b, s, k, dh))
+    v = jax.random.normal(keys[2], (b, s, k, dh))
+    # packed rows: documents of random length, padding (0) at the end of the last row
+    cuts = np.sort(np.random.default_rng(seed).integers(1, s, size=(b, 2)), axis=1)
+    seg = np.ones((b, s), np.int32) + (np.arange(s) >= cuts[:, :1]) + (np.arange(s) >= cuts[:, 1:])
+    seg[-1, -3:] = 0
+    return q, kk, v, jnp.asarray(seg), jax.random.normal(keys[3], (b, s, h, dh))
+
+
+@pytest.mark.parametrize("layout", ["fsdp=1,sp=8", "fsdp=2,sp=4", "fsdp=4,sp=2", "fsdp=8,sp=1"])
+@pytest.mark.parametrize("kv_heads", [1, 2, 8])
+def test_ulysses_attention_matches(layout, kv_heads):
+    q, k, v, seg, w = _attention_inputs(b=8, s=16, h=8, k=kv_heads, dh=8)
+
+    def loss(q, k, v, fn):
+        return jnp.sum(fn(q, k, v) * w)
+
+    def plain(q, k, v):
+        return attention_core(q, k, v, seg)
+
+    def sharded(q, k, v):
+        return ulysses_attention(attention_core, q, k, v, seg)
+
+    want = plain(q, k, v)
+    want_grads = jax.grad(loss, argnums=(0, 1, 2))(q, k, v, plain)
+    with jax.set_mesh(make_mesh(layout)):
+        got = jax.jit(sharded)(q, k, v)
+        got_grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=3)(q, k, v, sharded)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for g, gw in zip(got_grads, want_grads):
+        np.testing.assert_allclose(g, gw, atol=1e-5, rtol=1e-5)
+
+
+def test_ulysses_without_mesh_is_the_plain_call():
+    q, k, v, seg, _ = _attention_inputs(b=2, s=8, h=4, k=2, dh=8)
+    jaxpr = str(jax.make_jaxpr(lambda *a: ulysses_attention(attention_core, *a))(q, k, v, seg))
+    assert "shard_map" not in jaxpr and "all_to_all" not in jaxpr
+    with jax.set_mesh(make_mesh("fsdp=8,sp=1")):
+        jaxpr = str(jax.make_jaxpr(lambda *a: ulysses_attention(attention_core, *a))(q, k, v, seg))
+    assert "shard_map" not in jaxpr
+
+
+def test_ulysses_attention_hlo_has_all_to_all():
+    q, k, v, seg, _ = _attention_inputs(b=2, s=16, h=8, k=2, dh=8)
+    with jax.set_mesh(make_mesh("fsdp=2,sp=4")):
+        fn = jax.jit(lambda *a: ulysses_attention(attention_core, *a))
+        hlo = fn.lower(q, k, v, seg).compile().as_text()
+    ops = collectives(hlo)
+    a2a = [c for c in ops if c.op == "all-to-all"]
+    assert all(ATTENTION_SCOPE in c.op_name for c in a2a)
+    # q, k, v in and the output back: each one all-to-all of one [B/F, S/sp, H/sp, Dh] block per peer
+    # (k, v carry the kv heads replicated to one per device: 2 kv heads, sp = 4)
+    assert len(a2a) == 4
+    assert sorted(c.bytes for c in a2a) == [4 * 4 * 1 * 8 * 4] * 2 + [4 * 4 * 2 * 8 * 4] * 2
+    gathers = [c for c in ops if c.op == "all-gather"]
+    assert [c.shapes for c in gathers] == [(("s32", (1, 16)),)]  # only the segment ids
