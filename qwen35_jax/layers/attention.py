@@ -9,6 +9,7 @@ from flax import nnx
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import apply_rope
+from qwen35_jax.parallel.ulysses import ulysses_attention
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
@@ -53,6 +54,6 @@ class Attention(nnx.Module):
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(self.k_proj(x).reshape(b, s, kh, dh)), cos, sin)
         v = self.v_proj(x).reshape(b, s, kh, dh)
-        out = attention_core(q, k, v, segment_ids)  # [B, S, H, Dh]
+        out = ulysses_attention(attention_core, q, k, v, segment_ids)  # [B, S, H, Dh]; seq<->heads under sp
         out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out.reshape(b, s, h * dh))
