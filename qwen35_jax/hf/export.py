@@ -1,0 +1,131 @@
+"""Model parameters -> a Hugging Face checkpoint directory in the source layout.
+
+Names, expert storage (fused or per expert), tying and every tensor's dtype follow the `Layout`
+recorded at import, so import then export gives back each text-model tensor bit for bit. Tensors are
+produced and written one at a time (one layer's slice of a stacked parameter on the host at most),
+into shards of at most `max_shard_bytes` with `model.safetensors.index.json` when there are several.
+The directory appears under its final name only when complete.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.hf import names as N
+from qwen35_jax.hf.safetensors_io import (DTYPE_TO_NP, INDEX_FILE, MAX_SHARD_BYTES, SINGLE_FILE,
+                                          SafetensorsCheckpoint, TensorToWrite, write_checkpoint)
+
+_WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str) -> Iterator[str]:
+    """A temporary sibling of `out_dir`, renamed to it on success and removed on any failure."""
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    if os.path.lexists(out_dir):
+        raise ValueError(f"{out_dir}: output path already exists")
+    parent = os.path.dirname(out_dir)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{parent}: parent directory of the output does not exist")
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial-{uuid.uuid4().hex[:8]}")
+    try:
+        os.mkdir(tmp)
+        yield tmp
+        if os.path.lexists(out_dir):
+            raise ValueError(f"{out_dir}: output path appeared while writing")
+        os.rename(tmp, out_dir)
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _param_tensors(params: Mapping[str, Any], config: Qwen35Config, layout: N.Layout) -> list[TensorToWrite]:
+    """Every text-model HF tensor, ordered layer by layer, each produced lazily from `params`."""
+    from qwen35_jax.hf.load import param_paths
+
+    flat = param_paths(params)
+    table = N.build_table(config, layout)
+    cache: dict[tuple[str, int], list[np.ndarray]] = {}
+
+    def slot_arrays(entry: N.Entry, b: int) -> list[np.ndarray]:
+        key = (entry.path, b)
+        if key not in cache:
+            cache.clear()  # one layer slice on the host at a time
+            x = flat[entry.path]
+            host = np.asarray(jax.device_get(x[b] if entry.stacked else x))
+            cache[key] = N.to_hf(entry.kind, host)
+        return cache[key]
+
+    ordered: list[tuple[tuple[int, int, int, int, int], TensorToWrite]] = []
+    period = config.block_period
+    for idx, entry in enumerate(table):
+        if entry.path not in flat:
+            raise ValueError(f"parameter {entry.path} (for {entry.hf_names[0][0]}) is missing from the model")
+        if tuple(flat[entry.path].shape) != entry.shape:
+            raise ValueError(f"parameter {entry.path} has shape {list(flat[entry.path].shape)}, "
+                             f"expected {list(entry.shape)}")
+        for b, slot in enumerate(entry.hf_names):
+            # embedding first, then layer by layer, then final norm and lm_head
+            group, layer = (1, b * period + int(entry.path.split(".")[2])) if entry.stacked else \
+                (0 if entry.path == "embed_tokens.embedding" else 2, 0)
+            for k, (name, shape) in enumerate(zip(slot, entry.hf_shapes)):
+                dtype = layout.dtype_of(name)
+
+                def produce(entry: N.Entry = entry, b: int = b, k: int = k, dtype: str = dtype) -> np.ndarray:
+                    return np.asarray(slot_arrays(entry, b)[k], dtype=DTYPE_TO_NP[dtype])
+
+                ordered.append(((group, layer, idx, b, k), TensorToWrite(name, dtype, shape, produce)))
+    ordered.sort(key=lambda t: t[0])
+    return [t for _, t in ordered]
+
+
+def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, layout: N.Layout | None = None,
+              hf_config: Mapping[str, Any] | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+              extra_from: str | None = None, progress: bool = False) -> list[str]:
+    """Write `params` (a pure dict or nnx State of our parameters) as an HF checkpoint at `out_dir`.
+
+    `layout` defaults to what transformers writes for `config`; `hf_config` (the source config.json)
+    defaults to `config.to_hf_dict()`. `extra_from`: an HF checkpoint whose non-text tensors (vision
+    tower, MTP head) and side files (tokenizer, generation config) are copied over unchanged.
+    Returns the file names written.
+    """
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    layout = layout or N.Layout.default(config)
+    if layout.tied != config.tie_word_embeddings:
+        raise ValueError(f"layout says tied={layout.tied} but config.tie_word_embeddings={config.tie_word_embeddings}")
+    tensors = _param_tensors(params, config, layout)
+    extra_files: list[str] = []
+    source = None
+    if extra_from is not None:
+        source = SafetensorsCheckpoint(extra_from)
+        for info in source.tensors.values():
+            if N.is_skipped(info.name):
+                tensors.append(TensorToWrite(info.name, info.dtype, info.shape,
+                                             lambda name=info.name: source.read(name)))
+        extra_files = [f for f in sorted(os.listdir(extra_from)) if os.path.isfile(os.path.join(extra_from, f))
+                       and not f.endswith(".safetensors") and f not in (INDEX_FILE, "config.json")]
+    bar: Callable | None = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = lambda ts: tqdm(ts, desc="writing", unit="tensor")  # noqa: E731
+    with staged_dir(out_dir) as tmp:
+        written = write_checkpoint(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=bar)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(dict(hf_config) if hf_config is not None else config.to_hf_dict(), f, indent=2)
+            f.write("\n")
+        for fname in extra_files:
+            shutil.copy2(os.path.join(extra_from, fname), os.path.join(tmp, fname))
+    return written + ["config.json"] + extra_files
