@@ -14,7 +14,7 @@ import json
 import os
 import shutil
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -116,13 +116,14 @@ def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, 
                                              lambda name=info.name: source.read(name)))
         extra_files = [f for f in sorted(os.listdir(extra_from)) if os.path.isfile(os.path.join(extra_from, f))
                        and not f.endswith(".safetensors") and f not in (INDEX_FILE, "config.json")]
-    bar: Callable | None = None
+    bar = None
     if progress:
         from tqdm import tqdm
 
-        bar = lambda ts: tqdm(ts, desc="writing", unit="tensor")  # noqa: E731
+        bar = tqdm(total=len(tensors), desc="writing", unit="tensor")
     with staged_dir(out_dir) as tmp:
-        written = write_checkpoint(tmp, tensors, max_shard_bytes=max_shard_bytes, progress=bar)
+        written = write_checkpoint(tmp, tensors, max_shard_bytes=max_shard_bytes,
+                                   on_written=None if bar is None else lambda _: bar.update(1))
         with open(os.path.join(tmp, "config.json"), "w") as f:
             json.dump(dict(hf_config) if hf_config is not None else config.to_hf_dict(), f, indent=2)
             f.write("\n")

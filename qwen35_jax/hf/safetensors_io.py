@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -177,7 +177,7 @@ def plan_shards(tensors: list[TensorToWrite], max_shard_bytes: int) -> list[list
 
 
 def write_checkpoint(directory: str, tensors: list[TensorToWrite], *, max_shard_bytes: int = MAX_SHARD_BYTES,
-                     progress: Callable[[Iterable[TensorToWrite]], Iterator[TensorToWrite]] | None = None) -> list[str]:
+                     on_written: Callable[[TensorToWrite], None] | None = None) -> list[str]:
     """Write `tensors` into `directory` (which must exist) as HF does; returns the files written.
 
     One shard -> `model.safetensors`; more -> `model-0000i-of-0000n.safetensors` plus the index.
@@ -186,7 +186,7 @@ def write_checkpoint(directory: str, tensors: list[TensorToWrite], *, max_shard_
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for fname, shard in zip(names, shards):
-        _write_file(os.path.join(directory, fname), shard if progress is None else list(shard), progress)
+        _write_file(os.path.join(directory, fname), shard, on_written)
     written = list(names)
     if n > 1:
         index = {
@@ -200,7 +200,7 @@ def write_checkpoint(directory: str, tensors: list[TensorToWrite], *, max_shard_
     return written
 
 
-def _write_file(path: str, tensors: list[TensorToWrite], progress: Callable | None) -> None:
+def _write_file(path: str, tensors: list[TensorToWrite], on_written: Callable | None) -> None:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
@@ -211,9 +211,11 @@ def _write_file(path: str, tensors: list[TensorToWrite], progress: Callable | No
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for t in progress(tensors) if progress is not None else tensors:
+        for t in tensors:
             arr = np.ascontiguousarray(t.produce())
             if arr.shape != t.shape or arr.dtype != DTYPE_TO_NP[t.dtype]:
                 raise ValueError(f"{path}: tensor {t.name} produced {arr.dtype}{list(arr.shape)}, "
                                  f"header says {t.dtype}{list(t.shape)}")
             f.write(arr.reshape(-1).view(np.uint8))
+            if on_written is not None:
+                on_written(t)

@@ -1,0 +1,113 @@
+"""Our checkpoint format: an orbax directory with the parameters and a JSON metadata item.
+
+    CKPT_DIR/params   orbax StandardSave of the parameter pure dict (sharded arrays, restored sharded)
+    CKPT_DIR/meta     {"format", "version", "config": Qwen35Config fields,
+                       "layout": names.Layout of the HF source or null, "hf_config": its config.json or null}
+
+The layout and the original config.json are what `export_hf` needs to write the checkpoint back in
+the form it came in. `load_model` accepts this format or an HF directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.hf.export import staged_dir
+from qwen35_jax.hf.load import CONFIG_FILE, abstract_model, default_shardings, load_hf
+from qwen35_jax.hf.names import Layout
+
+FORMAT = "qwen35_jax"
+VERSION = 1
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def _config_dict(config: Qwen35Config) -> dict[str, Any]:
+    d = dataclasses.asdict(config)
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+
+
+def save_checkpoint(path: str, params: Any, config: Qwen35Config, *, layout: Layout | None = None,
+                    hf_config: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None) -> None:
+    """Write `params` (a model, an nnx State or a pure dict) with our metadata to the new directory `path`."""
+    if isinstance(params, nnx.Module):
+        params = nnx.state(params, nnx.Param)
+    if isinstance(params, nnx.State):
+        params = nnx.to_pure_dict(params)
+    meta = {"format": FORMAT, "version": VERSION, "config": _config_dict(config),
+            "layout": layout.to_dict() if layout is not None else None,
+            "hf_config": dict(hf_config) if hf_config is not None else None, **(extra or {})}
+    with staged_dir(path) as tmp:
+        target = os.path.join(tmp, "ckpt")  # orbax creates this directory itself
+        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+            ckptr.save(target, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+                                                       meta=ocp.args.JsonSave(meta)))
+        for name in os.listdir(target):
+            os.rename(os.path.join(target, name), os.path.join(tmp, name))
+        os.rmdir(target)
+
+
+def is_checkpoint(path: str) -> bool:
+    return os.path.isdir(os.path.join(path, "meta")) and os.path.isdir(os.path.join(path, "params"))
+
+
+def is_hf_dir(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, CONFIG_FILE))
+
+
+def read_metadata(path: str) -> dict[str, Any]:
+    """The metadata item of one of our checkpoints (config, layout, hf_config)."""
+    path = os.path.abspath(os.fspath(path))
+    if not is_checkpoint(path):
+        raise ValueError(f"{path}: not a qwen35_jax checkpoint (no params/ and meta/ inside)")
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        meta = ckptr.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise ValueError(f"{path}: metadata is not of format {FORMAT!r}")
+    if meta.get("version") != VERSION:
+        raise ValueError(f"{path}: checkpoint version {meta.get('version')} is not supported (expected {VERSION})")
+    return meta
+
+
+def load_checkpoint(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
+                    shardings: Any = None) -> tuple[nnx.Module, Qwen35Config, dict[str, Any]]:
+    """Restore one of our checkpoints straight into its target shardings: (model, config, metadata)."""
+    path = os.path.abspath(os.fspath(path))
+    meta = read_metadata(path)
+    config = Qwen35Config(**meta["config"])
+    graphdef, params, rest = abstract_model(config)
+    abstract = nnx.to_pure_dict(params)
+    if shardings is None:
+        shardings = default_shardings(abstract, mesh)
+    target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        restored = ckptr.restore(path, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
+    if dtype is not None and dtype != config.param_dtype:
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+        restored = jax.tree.map(lambda x: x.astype(dtype), restored)
+        config = config.replace(param_dtype=dtype)
+        graphdef, params, rest = abstract_model(config)
+    nnx.replace_by_pure_dict(params, restored)
+    return nnx.merge(graphdef, params, rest), config, meta
+
+
+def load_model(path: str, *, dtype: str | None = None,
+               mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.Module, Qwen35Config]:
+    """A `Qwen35ForCausalLM` from an HF checkpoint directory or one of ours; params in `dtype`
+    (default: as stored), ZeRO-3 sharded on `mesh` when given, else on the first device."""
+    path = os.fspath(path)
+    if is_checkpoint(path):
+        model, config, _ = load_checkpoint(path, dtype=dtype, mesh=mesh)
+        return model, config
+    if is_hf_dir(path) or not os.path.isdir(path):
+        model, config, _ = load_hf(path, dtype=dtype, mesh=mesh)
+        return model, config
+    raise ValueError(f"{path}: neither a Hugging Face checkpoint (config.json) nor a qwen35_jax checkpoint")

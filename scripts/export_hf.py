@@ -1,0 +1,62 @@
+#!/usr/bin/env python
+"""Export a qwen35_jax checkpoint as a Hugging Face checkpoint (safetensors + config.json).
+
+    python scripts/export_hf.py CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--extra-from HF_DIR]
+
+Tensor names, expert storage (fused or per expert), tying and every tensor's dtype follow the HF
+checkpoint the model was imported from, so import then export gives back each text-model tensor bit
+for bit; a model made from scratch gets the layout transformers writes for its config. Output larger
+than --max-shard-size is split into shards with model.safetensors.index.json. --extra-from copies the
+tensors we do not model (vision tower, MTP head) and side files (tokenizer ...) from the original.
+OUT_DIR must not exist; it appears only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS or float(m.group(1)) <= 0:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 5GB, 500MB, 4096")
+    return int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("ckpt_dir", help="qwen35_jax checkpoint (from import_hf.py or training)")
+    p.add_argument("out_dir", help="new directory for the Hugging Face checkpoint")
+    p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest shard file (default 5GB)")
+    p.add_argument("--extra-from", default=None, metavar="HF_DIR",
+                   help="copy vision/MTP tensors and tokenizer files from this HF checkpoint")
+    args = p.parse_args(argv)
+
+    try:
+        from qwen35_jax.checkpoint import load_checkpoint
+        from qwen35_jax.hf.export import export_hf
+        from qwen35_jax.hf.names import Layout
+
+        model, config, meta = load_checkpoint(args.ckpt_dir)
+        from flax import nnx
+
+        layout = Layout.from_dict(meta["layout"]) if meta.get("layout") else None
+        files = export_hf(nnx.state(model, nnx.Param), config, args.out_dir, layout=layout,
+                          hf_config=meta.get("hf_config"), max_shard_bytes=args.max_shard_size,
+                          extra_from=args.extra_from, progress=True)
+    except ValueError as e:
+        print(f"export_hf: error: {e}", file=sys.stderr)
+        return 1
+    print(f"exported {args.ckpt_dir} -> {args.out_dir}: {', '.join(files)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,51 @@
+#!/usr/bin/env python
+"""Import a Hugging Face Qwen3.5 checkpoint into a qwen35_jax (orbax) checkpoint.
+
+    python scripts/import_hf.py HF_DIR OUT_DIR [--dtype float32|bfloat16] [--mesh fsdp=F,sp=S]
+
+HF_DIR holds config.json and model.safetensors, or shards with model.safetensors.index.json, in the
+Qwen3_5(Moe)ForCausalLM or Qwen3_5(Moe)ForConditionalGeneration layout. The whole checkpoint is
+checked (every tensor's presence, shape and dtype, no extra tensors) before anything is written;
+vision-tower and MTP tensors are skipped. OUT_DIR must not exist; it appears only when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("hf_dir", help="Hugging Face checkpoint directory")
+    p.add_argument("out_dir", help="new directory for the qwen35_jax checkpoint")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="parameter dtype (default: the checkpoint's own; float32 when it mixes dtypes)")
+    p.add_argument("--mesh", default=None, help="device mesh 'fsdp=F,sp=S' to load onto (default: one device)")
+    args = p.parse_args(argv)
+
+    from qwen35_jax.parallel.mesh import init_distributed, make_mesh
+
+    try:
+        init_distributed()
+        mesh = make_mesh(args.mesh) if args.mesh else None
+        from qwen35_jax.checkpoint import save_checkpoint
+        from qwen35_jax.hf.load import load_hf
+
+        model, config, ckpt = load_hf(args.hf_dir, dtype=args.dtype, mesh=mesh, progress=True)
+        save_checkpoint(args.out_dir, model, config, layout=ckpt.layout, hf_config=ckpt.raw_config,
+                        extra={"skipped_tensors": len(ckpt.skipped)})
+    except ValueError as e:
+        print(f"import_hf: error: {e}", file=sys.stderr)
+        return 1
+    layout = ckpt.layout
+    print(f"imported {args.hf_dir} ({layout.architecture}, {len(ckpt.table)} parameters, experts: "
+          f"{layout.experts}, tied: {layout.tied}, dtype {config.param_dtype}) -> {args.out_dir}; "
+          f"skipped {len(ckpt.skipped)} vision/MTP tensors")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
