@@ -1,0 +1,74 @@
+"""Tile math shared by the xla loops and the Pallas kernels.
+
+A tile is a [t, v] block of float32 scaled logits z. The forward keeps, per token, the running max m,
+s = sum exp(z - m), r = sum exp(z - m) * (z - m) and the label logit; at the end
+lse = m + log s and entropy = log s - r / s (no cancellation against a large max). Columns past the
+vocabulary are masked to NEG (finite, so NEG - m never overflows to -inf and 0 * (NEG - m) is 0).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG = -1e30
+
+
+def init_stats(shape: tuple[int, ...]) -> tuple[jax.Array, ...]:
+    """(m, s, r, label_logit), each float32 of `shape` ([t, 1])."""
+    return (
+        jnp.full(shape, NEG, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+        jnp.zeros(shape, jnp.float32),
+    )
+
+
+def mask_columns(z: jax.Array, cols: jax.Array, vocab: int, first_col: jax.Array | int = 0) -> jax.Array:
+    """z [t, v] with columns whose global id `cols` [1, v] is outside [first_col, vocab) set to NEG."""
+    return jnp.where((cols >= first_col) & (cols < vocab), z, NEG)
+
+
+def update_stats(
+    stats: tuple[jax.Array, ...],  # 4 x [t, 1]
+    z: jax.Array,  # [t, v] masked scaled logits
+    cols: jax.Array,  # [1, v] global column ids
+    labels: jax.Array,  # [t, 1] int
+) -> tuple[jax.Array, ...]:
+    """Online update of (m, s, r, label_logit) with one tile."""
+    m, s, r, zl = stats
+    m_new = jnp.maximum(m, jnp.max(z, axis=1, keepdims=True))
+    scale = jnp.exp(m - m_new)
+    shifted = z - m_new
+    e = jnp.exp(shifted)
+    # sum e*(z - m_new) over the old part: scale * (r + (m - m_new) * s)
+    r = scale * (r + (m - m_new) * s) + jnp.sum(e * shifted, axis=1, keepdims=True)
+    s = scale * s + jnp.sum(e, axis=1, keepdims=True)
+    zl = zl + jnp.sum(jnp.where((cols == labels) & (z > NEG), z, 0.0), axis=1, keepdims=True)
+    return m_new, s, r, zl
+
+
+def finish_stats(stats: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(m, s, r, label_logit) -> (lse, entropy, label_logit)."""
+    m, s, r, zl = stats
+    log_s = jnp.log(s)
+    return m + log_s, log_s - r / s, zl
+
+
+def dlogits(
+    z: jax.Array,  # [t, v] masked scaled logits
+    cols: jax.Array,  # [1, v] global column ids
+    labels: jax.Array,  # [t, 1] int
+    lse: jax.Array,  # [t, 1]
+    mean_z: jax.Array,  # [t, 1] E_p[z] = lse - entropy
+    g_lse: jax.Array,  # [t, 1] cotangents of the three outputs
+    g_ent: jax.Array,  # [t, 1]
+    g_zl: jax.Array,  # [t, 1]
+    temperature: float,
+) -> jax.Array:  # [t, v] float32: d loss / d (hidden @ weight)
+    """dz = g_zl * onehot + p * (g_lse + g_ent * (E[z] - z)), then / temperature; masked columns give 0."""
+    valid = z > NEG
+    p = jnp.exp(z - lse)
+    dz = p * (g_lse + g_ent * (mean_z - z)) + jnp.where(cols == labels, g_zl, 0.0)
+    dz = jnp.where(valid, dz, 0.0)
+    return dz * jnp.float32(1.0 / temperature)

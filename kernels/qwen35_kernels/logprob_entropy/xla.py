@@ -1,0 +1,138 @@
+"""Memory-efficient per-token statistics in plain JAX: loops over [block_t, block_v] logit tiles.
+
+Forward: for each token block, a loop over vocabulary blocks keeps the online (max, sum-exp,
+sum p*(z - max), label logit). Backward (custom VJP): the logits are recomputed tile by tile; the outer
+loop runs over vocabulary blocks so each [D, block_v] slice of dW is accumulated in float32 and written
+once, while dh [T, D] (float32) is accumulated across it. Nothing of size T * V exists.
+
+A vocabulary that is not a multiple of block_v is handled without copying the weight: the last block
+starts at V - block_v and masks the columns the previous block already covered.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import tiles
+
+DEFAULT_BLOCK_T = 1024
+DEFAULT_BLOCK_V = 2048
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _blocks(num_tokens: int, vocab: int, block_t: int, block_v: int) -> tuple[int, int, int]:
+    """(bt, padded T, bv): bt a multiple of 8 no larger than needed, bv <= V."""
+    bt = min(block_t, _round_up(num_tokens, 8))
+    return bt, _round_up(num_tokens, bt), min(block_v, vocab)
+
+
+def _vocab_block(weight: jax.Array, j: jax.Array, bv: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Block j of the vocabulary: (w_v [D, bv], cols [1, bv] global ids, first new column id)."""
+    vocab = weight.shape[1]
+    start = jnp.minimum(j * bv, vocab - bv)
+    w_v = lax.dynamic_slice_in_dim(weight, start, bv, axis=1)
+    cols = start + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
+    return w_v, cols, j * bv
+
+
+def _tile_logits(h_t, w_v, cols, first, vocab, temperature):  # [bt, D], [D, bv] -> [bt, bv]
+    z = jnp.dot(h_t, w_v, preferred_element_type=jnp.float32) * jnp.float32(1.0 / temperature)
+    return tiles.mask_columns(z, cols, vocab, first)
+
+
+def _forward(hidden, weight, labels, temperature, block_t, block_v):
+    T, D = hidden.shape
+    V = weight.shape[1]
+    bt, tp, bv = _blocks(T, V, block_t, block_v)
+    nt, nv = tp // bt, -(-V // bv)
+    hb = jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D)
+    lb = jnp.pad(labels.astype(jnp.int32), (0, tp - T), constant_values=-1).reshape(nt, bt, 1)
+
+    def token_block(args):
+        h_t, l_t = args  # [bt, D], [bt, 1]
+
+        def vocab_step(j, stats):
+            w_v, cols, first = _vocab_block(weight, j, bv)
+            z = _tile_logits(h_t, w_v, cols, first, V, temperature)
+            return tiles.update_stats(stats, z, cols, l_t)
+
+        return tiles.finish_stats(lax.fori_loop(0, nv, vocab_step, tiles.init_stats((bt, 1))))
+
+    out = lax.map(token_block, (hb, lb))  # 3 x [nt, bt, 1]
+    return tuple(x.reshape(tp)[:T] for x in out)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _stats(hidden, weight, labels, temperature, block_t, block_v):
+    return _forward(hidden, weight, labels, temperature, block_t, block_v)
+
+
+def _stats_fwd(hidden, weight, labels, temperature, block_t, block_v):
+    lse, ent, zl = _forward(hidden, weight, labels, temperature, block_t, block_v)
+    return (lse, ent, zl), (hidden, weight, labels, lse, ent)
+
+
+def _stats_bwd(temperature, block_t, block_v, res, cts):
+    hidden, weight, labels, lse, ent = res
+    T, D = hidden.shape
+    V = weight.shape[1]
+    bt, tp, bv = _blocks(T, V, block_t, block_v)
+    nt, nv = tp // bt, -(-V // bv)
+
+    def col(x, fill=0):  # [T] -> [nt, bt, 1]
+        return jnp.pad(x, (0, tp - T), constant_values=fill).reshape(nt, bt, 1)
+
+    hb = jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D)
+    lb = col(labels.astype(jnp.int32), -1)
+    lse_b, mean_b = col(lse), col(lse - ent)
+    g_lse, g_ent, g_zl = (col(jnp.asarray(g, jnp.float32)) for g in cts)
+
+    def vocab_step(j, carry):
+        dh, dw = carry  # [nt, bt, D] f32, [D, V] weight dtype
+        w_v, cols, first = _vocab_block(weight, j, bv)
+
+        def token_step(i, c):
+            dh, dw_v = c
+            z = _tile_logits(hb[i], w_v, cols, first, V, temperature)
+            dz = tiles.dlogits(
+                z, cols, lb[i], lse_b[i], mean_b[i], g_lse[i], g_ent[i], g_zl[i], temperature
+            )  # [bt, bv]
+            dh = dh.at[i].add(jnp.dot(dz, w_v.T, preferred_element_type=jnp.float32))
+            dw_v = dw_v + jnp.dot(hb[i].T, dz, preferred_element_type=jnp.float32)
+            return dh, dw_v
+
+        dh, dw_v = lax.fori_loop(0, nt, token_step, (dh, jnp.zeros((D, bv), jnp.float32)))
+        start = cols[0, 0]
+        old = lax.dynamic_slice_in_dim(dw, start, bv, axis=1)
+        dw = lax.dynamic_update_slice_in_dim(
+            dw, jnp.where(cols >= first, dw_v.astype(dw.dtype), old), start, axis=1
+        )
+        return dh, dw
+
+    dh, dw = lax.fori_loop(
+        0, nv, vocab_step, (jnp.zeros((nt, bt, D), jnp.float32), jnp.zeros_like(weight))
+    )
+    return dh.reshape(tp, D)[:T].astype(hidden.dtype), dw, None
+
+
+_stats.defvjp(_stats_fwd, _stats_bwd)
+
+
+def token_stats(
+    hidden: jax.Array,  # [T, D]
+    weight: jax.Array,  # [D, V]
+    labels: jax.Array,  # [T] int
+    temperature: float = 1.0,
+    *,
+    block_t: int = DEFAULT_BLOCK_T,
+    block_v: int = DEFAULT_BLOCK_V,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # (lse, entropy, label_logit), 3 x [T] float32
+    """See reference.token_stats for the contract."""
+    return _stats(hidden, weight, labels, float(temperature), int(block_t), int(block_v))
