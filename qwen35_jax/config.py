@@ -241,8 +241,7 @@ def _parse_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
         text = raw.get("text_config") or {}
         if not isinstance(text, Mapping):
             raise ValueError(f"text_config of a {model_type} config must be a dict")
-        if text.get("tie_word_embeddings") is not None:
-            tie = text["tie_word_embeddings"]
+        # transformers ties a ForConditionalGeneration model by the top-level flag (default false) only
     is_moe = model_type.startswith("qwen3_5_moe")
 
     def get(key: str, default: Any = None) -> Any:

@@ -1,0 +1,144 @@
+"""Qwen35Config: reading the four HF model types, validation, to_hf_dict round trips, presets."""
+
+import json
+
+import pytest
+import transformers
+
+from qwen35_jax.config import Qwen35Config, hybrid_layer_types
+
+TINY_VISION = {"depth": 1, "hidden_size": 16, "num_heads": 2, "intermediate_size": 32, "out_hidden_size": 64}
+PRESETS = ["tiny", "tiny-moe", "0.8B", "4B", "9B", "27B", "35B-A3B", "397B-A17B"]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_round_trips_through_transformers(name):
+    cfg = Qwen35Config.preset(name)
+    d = cfg.to_hf_dict()
+    model_type = d.pop("model_type")
+    hf = transformers.AutoConfig.for_model(model_type, **{k: v for k, v in d.items() if k != "architectures"})
+    assert hf.model_type == cfg.hf_model_type
+    assert Qwen35Config.from_hf(hf) == cfg
+    assert Qwen35Config.from_hf(cfg.to_hf_dict()) == cfg
+    text = hf.get_text_config()
+    assert text.num_hidden_layers == cfg.num_hidden_layers and list(text.layer_types) == list(cfg.layer_types)
+
+
+@pytest.mark.parametrize("name", ["0.8B", "4B", "9B", "27B", "35B-A3B", "397B-A17B"])
+def test_published_presets_share_vocab_and_head_dim(name):
+    cfg = Qwen35Config.preset(name)
+    assert (cfg.vocab_size, cfg.head_dim, cfg.rotary_dim, cfg.block_period) == (248320, 256, 64, 4)
+    assert cfg.layer_types[:4] == ("linear_attention",) * 3 + ("full_attention",)
+
+
+def test_from_hf_reads_path_directory_and_dict(tmp_path):
+    d = Qwen35Config.preset("tiny").to_hf_dict()
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    a = Qwen35Config.from_hf(tmp_path)
+    b = Qwen35Config.from_hf(str(tmp_path / "config.json"))
+    assert a == b == Qwen35Config.preset("tiny")
+
+
+def test_conditional_generation_ties_by_the_top_level_flag_like_transformers():
+    base = Qwen35Config.preset("tiny").replace(hf_model_type="qwen3_5", tie_word_embeddings=False)
+    d = base.to_hf_dict()
+    assert d["model_type"] == "qwen3_5" and d["text_config"]["model_type"] == "qwen3_5_text"
+    for top in (None, True, False):
+        for inner in (True, False):
+            text = dict(d["text_config"], tie_word_embeddings=inner)
+            kw = {} if top is None else {"tie_word_embeddings": top}
+            hf_config = transformers.Qwen3_5Config(text_config=text, vision_config=TINY_VISION, **kw)
+            hf_model = transformers.Qwen3_5ForConditionalGeneration(hf_config)
+            hf_tied = hf_model.lm_head.weight is hf_model.model.language_model.embed_tokens.weight
+            raw = {"model_type": "qwen3_5", "text_config": text, **kw}
+            assert Qwen35Config.from_hf(raw).tie_word_embeddings is hf_tied, (top, inner)
+
+
+def test_moe_conditional_generation():
+    cfg = Qwen35Config.preset("tiny-moe").replace(hf_model_type="qwen3_5_moe")
+    hf = transformers.Qwen3_5MoeConfig(text_config=cfg.to_hf_dict()["text_config"])
+    got = Qwen35Config.from_hf(hf)
+    assert got.num_experts == 8 and got.hf_model_type == "qwen3_5_moe" and got.intermediate_size == 0
+
+
+def test_full_attention_interval_when_no_layer_types():
+    d = Qwen35Config.preset("tiny").to_hf_dict()
+    d.pop("layer_types")
+    d["num_hidden_layers"] = 6
+    d["full_attention_interval"] = 3
+    cfg = Qwen35Config.from_hf(d)
+    assert cfg.layer_types == ("linear_attention", "linear_attention", "full_attention") * 2
+    assert cfg.block_period == 3 and cfg.num_blocks == 2
+
+
+def test_rope_parameters_are_read():
+    d = Qwen35Config.preset("tiny").to_hf_dict()
+    d["head_dim"] = 32
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1234.0, "partial_rotary_factor": 0.5,
+                            "mrope_section": [3, 3, 2], "mrope_interleaved": True}
+    cfg = Qwen35Config.from_hf(d)
+    assert (cfg.rope_theta, cfg.partial_rotary_factor, cfg.mrope_section, cfg.rotary_dim) == (1234.0, 0.5, (3, 3, 2), 16)
+
+
+@pytest.mark.parametrize("layer_types,period", [
+    (("full_attention",) * 4, 1),
+    (("linear_attention",) * 3 + ("full_attention",), 4),
+    (("linear_attention", "full_attention") * 3, 2),
+    (("linear_attention", "full_attention", "full_attention"), 3),
+    (("linear_attention", "full_attention", "full_attention", "full_attention", "linear_attention"), 5),
+])
+def test_block_period(layer_types, period):
+    cfg = Qwen35Config.preset("tiny", num_hidden_layers=len(layer_types), layer_types=layer_types)
+    assert cfg.block_period == period
+    assert cfg.num_blocks * period == len(layer_types)
+
+
+def _tiny_dict(**changes):
+    d = Qwen35Config.preset("tiny").to_hf_dict()
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"model_type": "qwen3_next"}, "model_type"),
+    ({"model_type": "llama"}, "model_type"),
+    ({"attention_bias": True}, "attention_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}}, "rope_type"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e7, "mrope_section": [1, 1, 0],
+                         "mrope_interleaved": False}}, "mrope_interleaved"),
+    ({"mlp_only_layers": [0]}, "mlp_only_layers"),
+    ({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ({"layer_types": ["linear_attention", "sliding_attention", "linear_attention", "full_attention"]}, "layer_types"),
+    ({"layer_types": ["full_attention"] * 3}, "layer_types"),
+    ({"num_key_value_heads": 3}, "divisible"),
+    ({"linear_num_key_heads": 3}, "divisible"),
+])
+def test_unsupported_settings_are_clear_errors(changes, match):
+    with pytest.raises(ValueError, match=match):
+        Qwen35Config.from_hf(_tiny_dict(**changes))
+
+
+def test_moe_norm_topk_false_is_rejected():
+    d = Qwen35Config.preset("tiny-moe").to_hf_dict()
+    d["norm_topk_prob"] = False
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        Qwen35Config.from_hf(d)
+
+
+def test_bad_sources_and_presets(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        Qwen35Config.from_hf(tmp_path / "missing.json")
+    (tmp_path / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        Qwen35Config.from_hf(tmp_path)
+    with pytest.raises(ValueError, match="unknown preset"):
+        Qwen35Config.preset("7B")
+    with pytest.raises(ValueError, match="dtype"):
+        Qwen35Config.preset("tiny", dtype="float64")
+
+
+def test_hybrid_layer_types():
+    assert hybrid_layer_types(8, 4) == (("linear_attention",) * 3 + ("full_attention",)) * 2
+    with pytest.raises(ValueError):
+        hybrid_layer_types(4, 0)
