@@ -215,7 +215,7 @@ def _forward(hidden, weight, labels, temperature: float, blk: Blocks):
     (tp, dp), vp = h.shape, w.shape[1]
     bt, bv = blk.block_t, blk.block_v
     n_t, n_v = tp // bt, vp // bv
-    out_shape = [jax.ShapeDtypeStruct((tp, 1), jnp.float32)] * 3
+    out_shape = [tiles.out_struct((tp, 1), jnp.float32, h, w, lab)] * 3
     inv_t = 1.0 / temperature
     if blk.layout == "gpu":
         kernel = functools.partial(
@@ -261,6 +261,9 @@ def _backward(hidden, weight, labels, lse, ent, cts, temperature: float, blk: Bl
     rows = [lab] + [_col(x, tp) for x in (lse, lse - ent, *cts)]  # labels, lse, E[z], g_lse, g_ent, g_zl
     static = dict(vocab=V, inv_t=1.0 / temperature, temperature=temperature)
     if blk.layout == "gpu":
+        zeros = tiles.match_vma(
+            (jnp.zeros((tp, dp), jnp.float32), jnp.zeros((dp, vp), jnp.float32)), h, w, *rows
+        )  # accumulators for the atomic adds
         row = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
         whole = lambda shape: pl.BlockSpec(shape, lambda i, j: (0, 0))  # noqa: E731
         dh, dw = pl.pallas_call(
@@ -270,14 +273,11 @@ def _backward(hidden, weight, labels, lse, ent, cts, temperature: float, blk: Bl
             + [row] * 6
             + [whole((tp, dp)), whole((dp, vp))],
             out_specs=[whole((tp, dp)), whole((dp, vp))],
-            out_shape=[
-                jax.ShapeDtypeStruct((tp, dp), jnp.float32),
-                jax.ShapeDtypeStruct((dp, vp), jnp.float32),
-            ],
+            out_shape=[tiles.out_struct(x.shape, jnp.float32, h, w, *rows) for x in zeros],
             input_output_aliases={8: 0, 9: 1},
             compiler_params=_params(blk, ()),
             interpret=blk.interpret,
-        )(h, w, *rows, jnp.zeros((tp, dp), jnp.float32), jnp.zeros((dp, vp), jnp.float32))
+        )(h, w, *rows, *zeros)
     else:
         row = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
         dh = pl.pallas_call(
@@ -286,7 +286,7 @@ def _backward(hidden, weight, labels, lse, ent, cts, temperature: float, blk: Bl
             in_specs=[pl.BlockSpec((bt, dp), lambda i, j: (i, 0)), pl.BlockSpec((dp, bv), lambda i, j: (0, j))]
             + [row] * 6,
             out_specs=pl.BlockSpec((bt, dp), lambda i, j: (i, 0)),
-            out_shape=jax.ShapeDtypeStruct((tp, dp), jnp.float32),
+            out_shape=tiles.out_struct((tp, dp), jnp.float32, h, w, *rows),
             compiler_params=_params(blk, ("parallel", "arbitrary")),
             interpret=blk.interpret,
         )(h, w, *rows)
@@ -297,7 +297,7 @@ def _backward(hidden, weight, labels, lse, ent, cts, temperature: float, blk: Bl
             in_specs=[pl.BlockSpec((bt, dp), lambda j, i: (i, 0)), pl.BlockSpec((dp, bv), lambda j, i: (0, j))]
             + [row_t] * 6,
             out_specs=pl.BlockSpec((dp, bv), lambda j, i: (0, j)),
-            out_shape=jax.ShapeDtypeStruct((dp, vp), jnp.float32),
+            out_shape=tiles.out_struct((dp, vp), jnp.float32, h, w, *rows),
             compiler_params=_params(blk, ("parallel", "arbitrary")),
             interpret=blk.interpret,
         )(h, w, *rows)

@@ -72,3 +72,39 @@ def dlogits(
     dz = p * (g_lse + g_ent * (mean_z - z)) + jnp.where(cols == labels, g_zl, 0.0)
     dz = jnp.where(valid, dz, 0.0)
     return dz * jnp.float32(1.0 / temperature)
+
+
+def match_vma(tree, *like: jax.Array):
+    """Mark fresh loop carries as varying over the manual mesh axes that `like` vary over.
+
+    Inside jax.shard_map a loop carry must keep its type; a carry started from constants is invariant
+    while one updated from per-device data is varying, so it is cast up front. Outside shard_map the
+    set is empty and this is the identity.
+    """
+    want = varying_axes(*like)
+
+    def cast(x):
+        missing = tuple(sorted(want - varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree) if want else tree
+
+
+def varying_axes(*xs: jax.Array) -> frozenset:
+    """Manual mesh axes any of xs varies over (`aval.vma` in some jax versions, `manual_axis_type` in others)."""
+    out = frozenset()
+    for x in xs:
+        aval = jax.typeof(x)
+        vma = getattr(aval, "vma", None)
+        if vma is None:
+            vma = getattr(getattr(aval, "manual_axis_type", None), "varying", frozenset())
+        out |= frozenset(vma)
+    return out
+
+
+def out_struct(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A pallas_call output type that varies over the same manual mesh axes as `like`."""
+    axes = varying_axes(*like)
+    if hasattr(jax.sharding, "ManualAxisType"):
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
+    return jax.ShapeDtypeStruct(shape, dtype, **({"vma": axes} if axes else {}))

@@ -63,7 +63,8 @@ def _forward(hidden, weight, labels, temperature, block_t, block_v):
             z = _tile_logits(h_t, w_v, cols, first, V, temperature)
             return tiles.update_stats(stats, z, cols, l_t)
 
-        return tiles.finish_stats(lax.fori_loop(0, nv, vocab_step, tiles.init_stats((bt, 1))))
+        init = tiles.match_vma(tiles.init_stats((bt, 1)), h_t, weight, l_t)
+        return tiles.finish_stats(lax.fori_loop(0, nv, vocab_step, init))
 
     out = lax.map(token_block, (hb, lb))  # 3 x [nt, bt, 1]
     return tuple(x.reshape(tp)[:T] for x in out)
@@ -108,7 +109,8 @@ def _stats_bwd(temperature, block_t, block_v, res, cts):
             dw_v = dw_v + jnp.dot(hb[i].T, dz, preferred_element_type=jnp.float32)
             return dh, dw_v
 
-        dh, dw_v = lax.fori_loop(0, nt, token_step, (dh, jnp.zeros((D, bv), jnp.float32)))
+        dw_v0 = tiles.match_vma(jnp.zeros((D, bv), jnp.float32), hidden, weight)
+        dh, dw_v = lax.fori_loop(0, nt, token_step, (dh, dw_v0))
         start = cols[0, 0]
         old = lax.dynamic_slice_in_dim(dw, start, bv, axis=1)
         dw = lax.dynamic_update_slice_in_dim(
@@ -116,9 +118,8 @@ def _stats_bwd(temperature, block_t, block_v, res, cts):
         )
         return dh, dw
 
-    dh, dw = lax.fori_loop(
-        0, nv, vocab_step, (jnp.zeros((nt, bt, D), jnp.float32), jnp.zeros_like(weight))
-    )
+    init = tiles.match_vma((jnp.zeros((nt, bt, D), jnp.float32), jnp.zeros_like(weight)), hidden, weight)
+    dh, dw = lax.fori_loop(0, nv, vocab_step, init)
     return dh.reshape(tp, D)[:T].astype(hidden.dtype), dw, None
 
 
