@@ -1,0 +1,164 @@
+"""Gated DeltaNet: the NNX module and its pure per-head sequence mixer `gdn_core`.
+
+The module does the projections and out_proj; everything along the sequence (causal conv1d, the
+delta-rule recurrence, the gated norm) lives in `gdn_core`, whose arrays all carry an explicit head
+axis so that a sequence-parallel wrapper can all-to-all sequence shards into head shards around it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, document_index
+from qwen35_jax.layers.norms import GatedRMSNorm, gated_rms_norm
+
+
+def causal_conv1d_silu(
+    x: jax.Array,  # [B, S, H, D]
+    kernel: jax.Array,  # [Kc, H, D]; kernel[-1] multiplies the current token
+    doc: jax.Array | None,  # [B, S] document index (see delta_rule.document_index) or None
+) -> jax.Array:  # [B, S, H, D]
+    """Depthwise causal conv1d + SiLU whose window never reaches into the previous document."""
+    Kc = kernel.shape[0]
+    S = x.shape[1]
+    xf = x.astype(jnp.float32)
+    kf = kernel.astype(jnp.float32)
+    out = xf * kf[-1]
+    for shift in range(1, min(Kc, S + 1)):
+        past = jnp.pad(xf, [(0, 0), (shift, 0), (0, 0), (0, 0)])[:, :S]  # token t - shift (zeros before 0)
+        if doc is not None:
+            same = jnp.pad(doc, [(0, 0), (shift, 0)], constant_values=-1)[:, :S] == doc  # [B, S]
+            past = jnp.where(same[..., None, None], past, 0.0)
+        out = out + past * kf[Kc - 1 - shift]
+    return jax.nn.silu(out.astype(x.dtype))
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:  # [..., d] float32 -> [..., d]
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def gdn_core(
+    q: jax.Array,  # [B, S, Hk, Dk] raw in_proj_qkv output (before the conv)
+    k: jax.Array,  # [B, S, Hk, Dk]
+    v: jax.Array,  # [B, S, Hv, Dv]
+    z: jax.Array,  # [B, S, Hv, Dv] output gate
+    b: jax.Array,  # [B, S, Hv]
+    a: jax.Array,  # [B, S, Hv]
+    conv_q: jax.Array,  # [Kc, Hk, Dk]
+    conv_k: jax.Array,  # [Kc, Hk, Dk]
+    conv_v: jax.Array,  # [Kc, Hv, Dv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_weight: jax.Array,  # [Dv]
+    segment_ids: jax.Array | None,  # [B, S] document ids >= 1, 0 = padding
+    *,
+    eps: float,
+    chunk_size: int,
+) -> jax.Array:  # [B, S, Hv, Dv] in q.dtype
+    """Per-head Gated DeltaNet mixer: conv1d + SiLU, L2-norm, gated delta rule, gated RMSNorm.
+
+    The conv window and the recurrent state restart at every document start; padding tokens are
+    zeroed before the conv, leave the state untouched and output zeros.
+    """
+    B, S, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    if k.shape != q.shape or v.shape[:2] != (B, S) or z.shape != v.shape:
+        raise ValueError(f"gdn_core: q {q.shape}, k {k.shape}, v {v.shape}, z {z.shape} do not agree")
+    if b.shape != (B, S, Hv) or a.shape != (B, S, Hv):
+        raise ValueError(f"gdn_core: b {b.shape} and a {a.shape} must be [B, S, Hv] = {(B, S, Hv)}")
+    if Hv % Hk:
+        raise ValueError(f"gdn_core: value heads ({Hv}) must be a multiple of key heads ({Hk})")
+    if conv_q.shape[1:] != (Hk, Dk) or conv_k.shape != conv_q.shape or conv_v.shape[1:] != (Hv, Dv):
+        raise ValueError(
+            f"gdn_core: conv kernels q {conv_q.shape}, k {conv_k.shape}, v {conv_v.shape} do not match the heads")
+    dtype = q.dtype
+
+    doc = None
+    if segment_ids is not None:
+        valid, doc = document_index(segment_ids, B, S)
+        keep = valid[..., None, None]
+        q, k, v = (jnp.where(keep, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
+
+    q = causal_conv1d_silu(q, conv_q, doc)
+    k = causal_conv1d_silu(k, conv_k, doc)
+    v = causal_conv1d_silu(v, conv_v, doc)
+
+    q = _l2norm(q.astype(jnp.float32)) * Dk**-0.5
+    k = _l2norm(k.astype(jnp.float32))
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+
+    out, _ = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk_size)
+    return gated_rms_norm(out.astype(dtype), z, norm_weight, eps)  # [B, S, Hv, Dv]
+
+
+class DepthwiseConvKernel(nnx.Module):
+    """Holds the depthwise conv1d kernel [Kc, C] (HF `conv1d.weight` [C, 1, Kc], squeezed and transposed)."""
+
+    def __init__(self, kernel_size: int, channels: int, *, param_dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.kernel = nnx.Param(nnx.initializers.normal(0.02)(rngs.params(), (kernel_size, channels), param_dtype))
+
+
+class GatedDeltaNet(nnx.Module):
+    """Qwen3.5 linear-attention mixer; attribute names follow HF's `Qwen3_5GatedDeltaNet`."""
+
+    def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
+        self.config = config
+        self.Hk, self.Hv = config.linear_num_key_heads, config.linear_num_value_heads
+        self.Dk, self.Dv = config.linear_key_head_dim, config.linear_value_head_dim
+        if self.Hv % self.Hk:
+            raise ValueError(f"linear_num_value_heads ({self.Hv}) must be a multiple of "
+                             f"linear_num_key_heads ({self.Hk})")
+        D = config.hidden_size
+        key_dim, value_dim = self.Hk * self.Dk, self.Hv * self.Dv
+        conv_dim = 2 * key_dim + value_dim  # channel order: q, k, v
+        pdt = jnp.dtype(config.param_dtype)
+        lin = dict(use_bias=False, dtype=jnp.dtype(config.dtype), param_dtype=pdt, rngs=rngs,
+                   kernel_init=nnx.initializers.normal(0.02))
+        self.in_proj_qkv = nnx.Linear(D, conv_dim, **lin)
+        self.in_proj_z = nnx.Linear(D, value_dim, **lin)
+        self.in_proj_b = nnx.Linear(D, self.Hv, **lin)
+        self.in_proj_a = nnx.Linear(D, self.Hv, **lin)
+        self.conv1d = DepthwiseConvKernel(config.linear_conv_kernel_dim, conv_dim, param_dtype=pdt, rngs=rngs)
+        # A = exp(A_log) ~ U(0.01, 16), as transformers initialises it.
+        A = jax.random.uniform(rngs.params(), (self.Hv,), jnp.float32, minval=0.01, maxval=16.0)
+        self.A_log = nnx.Param(jnp.log(A).astype(pdt))
+        self.dt_bias = nnx.Param(jnp.ones((self.Hv,), pdt))
+        self.norm = GatedRMSNorm(self.Dv, eps=config.rms_norm_eps, param_dtype=config.param_dtype)
+        self.out_proj = nnx.Linear(value_dim, D, **lin)
+
+    def __call__(
+        self,
+        x: jax.Array,  # [B, S, D]
+        segment_ids: jax.Array | None = None,  # [B, S] document ids >= 1, 0 = padding
+    ) -> jax.Array:  # [B, S, D]
+        B, S, _ = x.shape
+        Hk, Hv, Dk, Dv = self.Hk, self.Hv, self.Dk, self.Dv
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, S), jnp.int32)
+        elif segment_ids.shape != (B, S):
+            raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {segment_ids.shape}")
+        x = x.astype(jnp.dtype(self.config.dtype))
+
+        qkv = self.in_proj_qkv(x)  # [B, S, C]
+        q = qkv[..., : Hk * Dk].reshape(B, S, Hk, Dk)
+        k = qkv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, S, Hk, Dk)
+        v = qkv[..., 2 * Hk * Dk :].reshape(B, S, Hv, Dv)
+        z = self.in_proj_z(x).reshape(B, S, Hv, Dv)
+        b = self.in_proj_b(x)  # [B, S, Hv]
+        a = self.in_proj_a(x)  # [B, S, Hv]
+
+        w = self.conv1d.kernel[...]  # [Kc, C]
+        Kc = w.shape[0]
+        conv_q = w[:, : Hk * Dk].reshape(Kc, Hk, Dk)
+        conv_k = w[:, Hk * Dk : 2 * Hk * Dk].reshape(Kc, Hk, Dk)
+        conv_v = w[:, 2 * Hk * Dk :].reshape(Kc, Hv, Dv)
+
+        out = gdn_core(q, k, v, z, b, a, conv_q, conv_k, conv_v, self.A_log[...], self.dt_bias[...],
+                       self.norm.weight[...], segment_ids,
+                       eps=self.config.rms_norm_eps, chunk_size=self.config.gdn_chunk_size)  # [B, S, Hv, Dv]
+        return self.out_proj(out.reshape(B, S, Hv * Dv))

@@ -1,0 +1,141 @@
+"""GatedDeltaNet module == transformers' Qwen3_5GatedDeltaNet (outputs and gradients); packed documents."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.gated_deltanet import GatedDeltaNet, gdn_core
+
+B = 2
+
+
+def _pair(seed=0, chunk_size=64):
+    """A torch Qwen3_5GatedDeltaNet with random weights and our module holding the same weights."""
+    hf = Qwen3_5TextConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, layer_types=["linear_attention"], linear_conv_kernel_dim=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+        rms_norm_eps=1e-6,
+    )
+    torch.manual_seed(seed)
+    ref = Qwen3_5GatedDeltaNet(hf, layer_idx=0).float()
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+        ref.A_log.copy_(torch.empty(4).uniform_(0.01, 16).log())
+        ref.norm.weight.copy_(1 + 0.1 * torch.randn(8))
+    config = Qwen35Config.preset("tiny").replace(
+        hidden_size=32, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
+        linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6, gdn_chunk_size=chunk_size)
+    ours = GatedDeltaNet(config, rngs=nnx.Rngs(0))
+    t = lambda p: jnp.asarray(p.detach().numpy())  # noqa: E731
+    for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
+        getattr(ours, name).kernel[...] = t(getattr(ref, name).weight).T
+    ours.conv1d.kernel[...] = t(ref.conv1d.weight)[:, 0, :].T  # [C, 1, Kc] -> [Kc, C]
+    ours.A_log[...] = t(ref.A_log)
+    ours.dt_bias[...] = t(ref.dt_bias)
+    ours.norm.weight[...] = t(ref.norm.weight)
+    return ref, ours
+
+
+@nnx.jit
+def _apply(m, x, segment_ids=None):
+    return m(x, segment_ids)
+
+
+def _x(S, seed=1):
+    return np.random.default_rng(seed).normal(size=(B, S, 32)).astype(np.float32)
+
+
+def test_param_shapes_follow_the_contract():
+    _, m = _pair()
+    C = 2 * 2 * 8 + 4 * 8
+    assert m.in_proj_qkv.kernel.shape == (32, C) and m.in_proj_z.kernel.shape == (32, 32)
+    assert m.in_proj_b.kernel.shape == (32, 4) and m.in_proj_a.kernel.shape == (32, 4)
+    assert m.conv1d.kernel.shape == (4, C) and m.out_proj.kernel.shape == (32, 32)
+    assert m.A_log.shape == (4,) and m.dt_bias.shape == (4,) and m.norm.weight.shape == (8,)
+
+
+def test_fresh_init_like_transformers():
+    m = GatedDeltaNet(Qwen35Config.preset("tiny"), rngs=nnx.Rngs(3))
+    A = np.exp(np.asarray(m.A_log[...]))
+    assert np.all((A >= 0.01) & (A <= 16)) and A.std() > 0.5
+    np.testing.assert_array_equal(np.asarray(m.dt_bias[...]), 1.0)
+    np.testing.assert_array_equal(np.asarray(m.norm.weight[...]), 1.0)
+    assert 0.01 < float(jnp.std(m.in_proj_qkv.kernel[...])) < 0.03
+
+
+@pytest.mark.parametrize("S", [64, 70])
+def test_matches_transformers(S):
+    ref, ours = _pair()
+    x = _x(S)
+    with torch.no_grad():
+        want = ref(torch.from_numpy(x)).numpy()
+    got = np.asarray(_apply(ours, jnp.asarray(x)))
+    assert got.shape == (B, S, 32)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+
+
+def test_gradients_match_torch_autograd():
+    ref, ours = _pair(seed=2, chunk_size=16)
+    S = 40
+    x = _x(S, seed=3)
+    w = np.random.default_rng(4).normal(size=(B, S, 32)).astype(np.float32)
+    (ref(torch.from_numpy(x)) * torch.from_numpy(w)).sum().backward()
+    want = {
+        "A_log": ref.A_log.grad.numpy(),
+        "dt_bias": ref.dt_bias.grad.numpy(),
+        "conv": ref.conv1d.weight.grad.numpy()[:, 0, :].T,
+        "in_proj_qkv": ref.in_proj_qkv.weight.grad.numpy().T,
+    }
+
+    graphdef, params = nnx.split(ours, nnx.Param)
+
+    def loss(p):
+        return jnp.sum(nnx.merge(graphdef, p)(jnp.asarray(x)) * w)
+
+    grads = jax.jit(jax.grad(loss))(params)
+    got = {
+        "A_log": grads["A_log"][...],
+        "dt_bias": grads["dt_bias"][...],
+        "conv": grads["conv1d"]["kernel"][...],
+        "in_proj_qkv": grads["in_proj_qkv"]["kernel"][...],
+    }
+    for name in want:
+        g, r = np.asarray(got[name]), want[name]
+        err = np.abs(g - r).max() / np.abs(r).max()
+        assert err < 1e-4, f"{name}: relative error {err}"
+
+
+def test_packed_documents_equal_separate_runs():
+    """Conv window and state restart at each document start (mid-chunk too); padding gives zeros."""
+    _, m = _pair(seed=5, chunk_size=16)
+    S = 50
+    x = _x(S, seed=6)
+    # Documents of lengths 5 and 20 only, so the separate runs batch into two calls.
+    spans = {0: [(0, 5), (5, 25), (25, 45)], 1: [(0, 20), (20, 25), (25, 45), (45, 50)]}
+    seg = np.zeros((B, S), np.int32)
+    for b, docs in spans.items():
+        for i, (lo, hi) in enumerate(docs):
+            seg[b, lo:hi] = i + 1
+    out = np.asarray(_apply(m, jnp.asarray(x), jnp.asarray(seg)))
+    docs = [(b, lo, hi) for b, d in spans.items() for lo, hi in d]
+    for n in (5, 20):
+        group = [d for d in docs if d[2] - d[1] == n]
+        alone = np.asarray(_apply(m, jnp.asarray(np.stack([x[b, lo:hi] for b, lo, hi in group]))))
+        for (b, lo, hi), o in zip(group, alone):
+            np.testing.assert_allclose(out[b, lo:hi], o, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(out[0, 45:], 0.0, atol=1e-6)  # padding tail
+
+
+def test_gdn_core_rejects_mismatched_heads():
+    z = jnp.zeros
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        gdn_core(z((1, 4, 2, 8)), z((1, 4, 2, 8)), z((1, 4, 3, 8)), z((1, 4, 3, 8)), z((1, 4, 3)), z((1, 4, 3)),
+                 z((4, 2, 8)), z((4, 2, 8)), z((4, 3, 8)), z((3,)), z((3,)), z((8,)), None, eps=1e-6, chunk_size=4)
