@@ -14,6 +14,7 @@ from flax import nnx
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, document_index
 from qwen35_jax.layers.norms import GatedRMSNorm, gated_rms_norm
+from qwen35_jax.parallel.ulysses import ulysses_gdn
 
 
 def causal_conv1d_silu(
@@ -158,7 +159,8 @@ class GatedDeltaNet(nnx.Module):
         conv_k = w[:, Hk * Dk : 2 * Hk * Dk].reshape(Kc, Hk, Dk)
         conv_v = w[:, 2 * Hk * Dk :].reshape(Kc, Hv, Dv)
 
-        out = gdn_core(q, k, v, z, b, a, conv_q, conv_k, conv_v, self.A_log[...], self.dt_bias[...],
-                       self.norm.weight[...], segment_ids,
-                       eps=self.config.rms_norm_eps, chunk_size=self.config.gdn_chunk_size)  # [B, S, Hv, Dv]
+        # seq<->heads all-to-all under sp (a plain gdn_core call without a mesh or at sp = 1)
+        out = ulysses_gdn(gdn_core, q, k, v, z, b, a, conv_q, conv_k, conv_v, self.A_log[...],
+                          self.dt_bias[...], self.norm.weight[...], segment_ids,
+                          eps=self.config.rms_norm_eps, chunk_size=self.config.gdn_chunk_size)  # [B, S, Hv, Dv]
         return self.out_proj(out.reshape(B, S, Hv * Dv))
