@@ -137,7 +137,9 @@ def ulysses_call(
         out = core(*inner)  # [B, S, H/sp, d]
         return jax.lax.all_to_all(out, SP, split_axis=1, concat_axis=out_head_axis, tiled=True)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_spec)(*prepared)
+    # check_vma=False: the mixers are written for one device (e.g. scan carries start as plain zeros);
+    # tests check values and gradients against the unsharded call.
+    return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=out_spec, check_vma=False)(*prepared)
 
 
 def active_sp_mesh() -> jax.sharding.AbstractMesh | None:
