@@ -139,3 +139,17 @@ def test_gdn_core_rejects_mismatched_heads():
     with pytest.raises(ValueError, match="multiple of key heads"):
         gdn_core(z((1, 4, 2, 8)), z((1, 4, 2, 8)), z((1, 4, 3, 8)), z((1, 4, 3, 8)), z((1, 4, 3)), z((1, 4, 3)),
                  z((4, 2, 8)), z((4, 2, 8)), z((4, 3, 8)), z((3,)), z((3,)), z((8,)), None, eps=1e-6, chunk_size=4)
+
+
+def test_bfloat16_compute_close_to_float32():
+    _, m32 = _pair(seed=7)
+    m16 = GatedDeltaNet(m32.config.replace(dtype="bfloat16"), rngs=nnx.Rngs(0))
+    nnx.update(m16, nnx.state(m32, nnx.Param))
+    x = jnp.asarray(_x(70, seed=8))
+    want = np.asarray(_apply(m32, x))
+    got = _apply(m16, x)
+    assert got.dtype == jnp.bfloat16
+    got = np.asarray(got.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    scale = np.abs(want).max()
+    assert np.abs(got - want).max() < 0.1 * scale and np.abs(got - want).mean() < 0.005 * scale
