@@ -39,14 +39,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="copy vision/MTP tensors and tokenizer files from this HF checkpoint")
     args = p.parse_args(argv)
 
+    from flax import nnx
+
+    from qwen35_jax.checkpoint import load_checkpoint
+    from qwen35_jax.hf.export import check_new_output, export_hf
+    from qwen35_jax.hf.names import Layout
+
     try:
-        from qwen35_jax.checkpoint import load_checkpoint
-        from qwen35_jax.hf.export import export_hf
-        from qwen35_jax.hf.names import Layout
-
+        check_new_output(args.out_dir)  # fail before the (long) load, not after
         model, config, meta = load_checkpoint(args.ckpt_dir)
-        from flax import nnx
-
         layout = Layout.from_dict(meta["layout"]) if meta.get("layout") else None
         files = export_hf(nnx.state(model, nnx.Param), config, args.out_dir, layout=layout,
                           hf_config=meta.get("hf_config"), max_shard_bytes=args.max_shard_size,

@@ -26,14 +26,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mesh", default=None, help="device mesh 'fsdp=F,sp=S' to load onto (default: one device)")
     args = p.parse_args(argv)
 
+    from qwen35_jax.checkpoint import save_checkpoint
+    from qwen35_jax.hf.export import check_new_output
+    from qwen35_jax.hf.load import load_hf
     from qwen35_jax.parallel.mesh import init_distributed, make_mesh
 
     try:
         init_distributed()
         mesh = make_mesh(args.mesh) if args.mesh else None
-        from qwen35_jax.checkpoint import save_checkpoint
-        from qwen35_jax.hf.load import load_hf
-
+        check_new_output(args.out_dir)  # fail before the (long) load, not after
         model, config, ckpt = load_hf(args.hf_dir, dtype=args.dtype, mesh=mesh, progress=True)
         save_checkpoint(args.out_dir, model, config, layout=ckpt.layout, hf_config=ckpt.raw_config,
                         extra={"skipped_tensors": len(ckpt.skipped)})

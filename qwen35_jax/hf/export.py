@@ -29,15 +29,22 @@ from qwen35_jax.hf.safetensors_io import (DTYPE_TO_NP, INDEX_FILE, MAX_SHARD_BYT
 _WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 
 
-@contextlib.contextmanager
-def staged_dir(out_dir: str) -> Iterator[str]:
-    """A temporary sibling of `out_dir`, renamed to it on success and removed on any failure."""
+def check_new_output(out_dir: str) -> str:
+    """The absolute output path, which must not exist yet and whose parent must exist."""
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.lexists(out_dir):
         raise ValueError(f"{out_dir}: output path already exists")
     parent = os.path.dirname(out_dir)
     if not os.path.isdir(parent):
         raise ValueError(f"{parent}: parent directory of the output does not exist")
+    return out_dir
+
+
+@contextlib.contextmanager
+def staged_dir(out_dir: str) -> Iterator[str]:
+    """A temporary sibling of `out_dir`, renamed to it on success and removed on any failure."""
+    out_dir = check_new_output(out_dir)
+    parent = os.path.dirname(out_dir)
     tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial-{uuid.uuid4().hex[:8]}")
     try:
         os.mkdir(tmp)
@@ -102,6 +109,7 @@ def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, 
     """
     if isinstance(params, nnx.State):
         params = nnx.to_pure_dict(params)
+    check_new_output(out_dir)
     layout = layout or N.Layout.default(config)
     if layout.tied != config.tie_word_embeddings:
         raise ValueError(f"layout says tied={layout.tied} but config.tie_word_embeddings={config.tie_word_embeddings}")
@@ -116,12 +124,12 @@ def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, 
                                              lambda name=info.name: source.read(name)))
         extra_files = [f for f in sorted(os.listdir(extra_from)) if os.path.isfile(os.path.join(extra_from, f))
                        and not f.endswith(".safetensors") and f not in (INDEX_FILE, "config.json")]
-    bar = None
-    if progress:
-        from tqdm import tqdm
+    with staged_dir(out_dir) as tmp, contextlib.ExitStack() as stack:
+        bar = None
+        if progress:
+            from tqdm import tqdm
 
-        bar = tqdm(total=len(tensors), desc="writing", unit="tensor")
-    with staged_dir(out_dir) as tmp:
+            bar = stack.enter_context(tqdm(total=len(tensors), desc="writing", unit="tensor"))
         written = write_checkpoint(tmp, tensors, max_shard_bytes=max_shard_bytes,
                                    on_written=None if bar is None else lambda _: bar.update(1))
         with open(os.path.join(tmp, "config.json"), "w") as f:
