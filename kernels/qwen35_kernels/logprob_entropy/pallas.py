@@ -317,7 +317,7 @@ def _stats_fwd(hidden, weight, labels, temperature, blk):
 def _stats_bwd(temperature, blk, res, cts):
     hidden, weight, labels, lse, ent = res
     dh, dw = _backward(hidden, weight, labels, lse, ent, cts, temperature, blk)
-    return dh, dw, None
+    return tiles.match_cotangent(dh, hidden), tiles.match_cotangent(dw, weight), None
 
 
 _stats.defvjp(_stats_fwd, _stats_bwd)

@@ -108,3 +108,13 @@ def out_struct(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.ShapeDtyp
     if hasattr(jax.sharding, "ManualAxisType"):
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
     return jax.ShapeDtypeStruct(shape, dtype, **({"vma": axes} if axes else {}))
+
+
+def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """Sum a custom-VJP cotangent over the manual axes it varies over but its primal does not.
+
+    Inside jax.shard_map a weight replicated over an axis meets per-device tokens; ordinary ops would
+    transpose the implicit broadcast into a psum, and a custom VJP has to do the same by hand.
+    """
+    extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
+    return jax.lax.psum(ct, extra) if extra else ct

@@ -120,7 +120,8 @@ def _stats_bwd(temperature, block_t, block_v, res, cts):
 
     init = tiles.match_vma((jnp.zeros((nt, bt, D), jnp.float32), jnp.zeros_like(weight)), hidden, weight)
     dh, dw = lax.fori_loop(0, nv, vocab_step, init)
-    return dh.reshape(tp, D)[:T].astype(hidden.dtype), dw, None
+    dh = dh.reshape(tp, D)[:T].astype(hidden.dtype)
+    return tiles.match_cotangent(dh, hidden), tiles.match_cotangent(dw, weight), None
 
 
 _stats.defvjp(_stats_fwd, _stats_bwd)
