@@ -49,6 +49,20 @@ def test_chunked_equals_recurrent(S, chunk_size, with_state):
     _close(s, s_ref)
 
 
+@pytest.mark.parametrize("S, chunk_size", [(7, 16), (70, 16), (200, 64), (200, 16)])
+def test_chunked_equals_recurrent_random_documents(S, chunk_size):
+    q, k, v, g, beta, state = _inputs(S, seed=S + chunk_size)
+    q = q * DK**-0.5
+    rng = np.random.default_rng(S)
+    seg = np.cumsum(rng.random((B, S)) < 0.08, axis=1).astype(np.int32) + 1  # ~12-token documents
+    seg[rng.random((B, S)) < 0.05] = 0  # scattered padding
+    seg[0, -3:] = 0
+    o_ref, s_ref = recurrent_gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=state)
+    o, s = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=state, chunk_size=chunk_size)
+    _close(o, o_ref)
+    _close(s, s_ref)
+
+
 @pytest.mark.parametrize("S", [7, 70])
 def test_matches_transformers_reference(S):
     q, k, v, g, beta, state = _inputs(S, seed=1)

@@ -71,7 +71,7 @@ def test_fresh_init_like_transformers():
     assert 0.01 < float(jnp.std(m.in_proj_qkv.kernel[...])) < 0.03
 
 
-@pytest.mark.parametrize("S", [64, 70])
+@pytest.mark.parametrize("S", [1, 64, 70])
 def test_matches_transformers(S):
     ref, ours = _pair()
     x = _x(S)
