@@ -27,30 +27,33 @@ def _tokens(config, b, s, seed=0):
     return np.random.default_rng(seed).integers(0, config.vocab_size, (b, s), dtype=np.int32)
 
 
-def _check_logits(config, b=2, s=24, positions=None):
+def _check_logits(config, b=2, lengths=(24,), positions=None):
     model, hf = _pair(config)
-    tokens = _tokens(config, b, s)
-    with torch.no_grad():
-        kw = {} if positions is None else {"position_ids": torch.from_numpy(np.asarray(positions)).long()}
-        ref = hf(input_ids=torch.from_numpy(tokens).long(), **kw).logits.numpy()
-    pos = None if positions is None else jnp.asarray(positions)
-    ours = np.asarray(model.logits(model(jnp.asarray(tokens), positions=pos)))
-    np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0)
+    for s in lengths:
+        tokens = _tokens(config, b, s)
+        with torch.no_grad():
+            kw = {} if positions is None else {"position_ids": torch.from_numpy(np.asarray(positions)).long()}
+            ref = hf(input_ids=torch.from_numpy(tokens).long(), **kw).logits.numpy()
+        pos = None if positions is None else jnp.asarray(positions)
+        ours = np.asarray(model.logits(model(jnp.asarray(tokens), positions=pos)))
+        np.testing.assert_allclose(ours, ref, atol=1e-4, rtol=0, err_msg=f"length {s}")
+
+
+HYBRID = ("linear_attention",) * 3 + ("full_attention",)
 
 
 def test_dense_attention_only_matches_hf():
     _check_logits(Qwen35Config.preset("tiny", layer_types=ATTN * 4, tie_word_embeddings=False))
 
 
-@pytest.mark.parametrize("s", [64, 70])
-def test_dense_lengths_match_hf(s):
-    cfg = Qwen35Config.preset("tiny", num_hidden_layers=2, layer_types=ATTN * 2, tie_word_embeddings=False)
-    _check_logits(cfg, b=2, s=s)
+def test_dense_hybrid_matches_hf_at_chunk_and_off_chunk_lengths():
+    cfg = Qwen35Config.preset("tiny", tie_word_embeddings=False)
+    assert cfg.layer_types == HYBRID and cfg.gdn_chunk_size == 64
+    _check_logits(cfg, b=2, lengths=(64, 70))
 
 
 def test_one_kv_head_half_rotary_matches_hf():
-    cfg = Qwen35Config.preset("tiny", layer_types=ATTN * 4, num_key_value_heads=1, partial_rotary_factor=0.5,
-                              mrope_section=(2, 1, 1))
+    cfg = Qwen35Config.preset("tiny", num_key_value_heads=1, partial_rotary_factor=0.5, mrope_section=(2, 1, 1))
     _check_logits(cfg)
 
 
@@ -58,13 +61,27 @@ def test_mrope_positions_match_hf():
     cfg = Qwen35Config.preset("tiny", num_hidden_layers=2, layer_types=ATTN * 2, head_dim=32,
                               partial_rotary_factor=0.5, mrope_section=(3, 3, 2))
     pos = np.random.default_rng(1).integers(0, 50, (3, 2, 16))
-    _check_logits(cfg, b=2, s=16, positions=pos)
+    _check_logits(cfg, b=2, lengths=(16,), positions=pos)
 
 
-def test_moe_tied_matches_hf():
-    cfg = Qwen35Config.preset("tiny-moe", layer_types=ATTN * 4)
-    assert cfg.tie_word_embeddings
-    _check_logits(cfg)
+def test_moe_tied_hybrid_matches_hf():
+    cfg = Qwen35Config.preset("tiny-moe")
+    assert cfg.tie_word_embeddings and cfg.layer_types == HYBRID
+    _check_logits(cfg, b=1, lengths=(64, 70))
+
+
+def test_non_repeating_layer_types_unrolled_matches_hf():
+    kinds = ("linear_attention", "full_attention", "full_attention")
+    cfg = Qwen35Config.preset("tiny", num_hidden_layers=3, layer_types=kinds)
+    assert cfg.block_period == 3 and cfg.num_blocks == 1
+    _check_logits(cfg, b=2, lengths=(20,))
+
+
+@pytest.mark.slow
+def test_two_blocks_of_a_period_match_hf():
+    cfg = Qwen35Config.preset("tiny-moe", num_hidden_layers=4, layer_types=("linear_attention", "full_attention") * 2)
+    assert cfg.block_period == 2 and cfg.num_blocks == 2
+    _check_logits(cfg, b=2, lengths=(20,))
 
 
 def test_no_remat_same_logits():
@@ -115,12 +132,17 @@ def _grad_check(config, param_paths, s=16):
         np.testing.assert_allclose(ours, ref, atol=1e-4 * scale, rtol=1e-4, err_msg=hf_name)
 
 
-def test_gradients_match_torch_moe_attention():
-    cfg = Qwen35Config.preset("tiny-moe", num_hidden_layers=2, layer_types=ATTN * 2)
+@pytest.mark.slow
+def test_gradients_match_torch():
+    cfg = Qwen35Config.preset("tiny-moe", layer_types=("linear_attention", "full_attention") * 2,
+                              tie_word_embeddings=False)
     _grad_check(cfg, [
         (("embed_tokens", "embedding"), "model.embed_tokens.weight"),
-        (("blocks", "layers", 0, "self_attn", "q_proj", "kernel"), "model.layers.1.self_attn.q_proj.weight"),
+        (("lm_head", "kernel"), "lm_head.weight"),
+        (("blocks", "layers", 1, "self_attn", "q_proj", "kernel"), "model.layers.3.self_attn.q_proj.weight"),
+        (("blocks", "layers", 0, "linear_attn", "A_log"), "model.layers.0.linear_attn.A_log"),
+        (("blocks", "layers", 0, "linear_attn", "in_proj_qkv", "kernel"), "model.layers.2.linear_attn.in_proj_qkv.weight"),
         (("blocks", "layers", 0, "mlp", "experts", "gate_up_proj"), "model.layers.0.mlp.experts.gate_up_proj"),
-        (("blocks", "layers", 0, "mlp", "experts", "down_proj"), "model.layers.1.mlp.experts.down_proj"),
-        (("blocks", "layers", 0, "mlp", "gate", "kernel"), "model.layers.0.mlp.gate.weight"),
+        (("blocks", "layers", 1, "mlp", "experts", "down_proj"), "model.layers.3.mlp.experts.down_proj"),
+        (("blocks", "layers", 0, "mlp", "gate", "kernel"), "model.layers.2.mlp.gate.weight"),
     ])
