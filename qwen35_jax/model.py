@@ -8,10 +8,14 @@ from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import Attention
+from qwen35_jax.layers.gated_deltanet import GatedDeltaNet
 from qwen35_jax.layers.mlp import MLP
 from qwen35_jax.layers.moe import SparseMoeBlock
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import rope_cos_sin
+from qwen35_jax.parallel.local import token_local
+from qwen35_jax.parallel.mesh import ACT_BSD, FSDP, SP, auto_mesh, constrain, mesh_axis_size
+from qwen35_jax.parallel.padding import pad_inputs, strip
 
 
 class DecoderLayer(nnx.Module):
@@ -22,8 +26,6 @@ class DecoderLayer(nnx.Module):
         eps, pd = config.rms_norm_eps, config.param_dtype
         self.input_layernorm = RMSNorm(config.hidden_size, eps=eps, param_dtype=pd)
         if kind == "linear_attention":
-            from qwen35_jax.layers.gated_deltanet import GatedDeltaNet
-
             self.linear_attn = GatedDeltaNet(config, rngs=rngs)
         elif kind == "full_attention":
             self.self_attn = Attention(config, rngs=rngs)
@@ -39,8 +41,10 @@ class DecoderLayer(nnx.Module):
             h = self.linear_attn(h, segment_ids)
         else:
             h = self.self_attn(h, cos, sin, segment_ids)
-        x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = constrain(x + h, ACT_BSD)
+        h = self.post_attention_layernorm(x)
+        h = token_local(self.mlp, h) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h)
+        return constrain(x + h, ACT_BSD)
 
 
 class Block(nnx.Module):
@@ -97,10 +101,14 @@ class Qwen35ForCausalLM(nnx.Module):
             positions = document_positions(segment_ids)
         if positions.shape[-2:] != tokens.shape:
             raise ValueError(f"positions shape {positions.shape} does not match tokens {tokens.shape}")
+        b, s = tokens.shape  # S padded to a multiple of sp, B to one of fsdp (segment 0), stripped at the end
+        mesh = auto_mesh()
+        tokens, positions, segment_ids = pad_inputs(
+            tokens, positions, segment_ids, mesh_axis_size(mesh, FSDP), mesh_axis_size(mesh, SP))
         if positions.ndim == 2 and self.config.mrope_section is not None:
             positions = jnp.broadcast_to(positions, (3, *positions.shape))  # text: t = h = w
         cos, sin = rope_cos_sin(positions, self.config)  # [B, S, R]
-        x = self.embed_tokens(tokens)  # [B, S, D]
+        x = constrain(self.embed_tokens(tokens), ACT_BSD)  # [B, S, D]
 
         def step(block: Block, x: jax.Array) -> jax.Array:
             return block(x, cos, sin, segment_ids)
@@ -113,7 +121,7 @@ class Qwen35ForCausalLM(nnx.Module):
             return step(block, x)
 
         x = run(self.blocks, x)
-        return self.norm(x)
+        return strip(constrain(self.norm(x), ACT_BSD), b, s)
 
     def lm_head_weight(self) -> jax.Array:
         """[D, V]: the lm_head kernel, or the embedding transposed when tied."""
@@ -122,6 +130,8 @@ class Qwen35ForCausalLM(nnx.Module):
         return self.lm_head.kernel[...]
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """hidden [B, S, D] -> logits [B, S, V] in float32 (matmul in the compute dtype)."""
+        """hidden [..., D] -> logits [..., V] in float32 (matmul in the compute dtype).
+
+        Materialises [..., V]: for training losses use lm_head_weight() with the fused log-prob kernel."""
         w = self.lm_head_weight().astype(hidden.dtype)
-        return jnp.einsum("bsd,dv->bsv", hidden, w, preferred_element_type=jnp.float32)
+        return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)

@@ -1,0 +1,113 @@
+"""Model pieces on their own: MoE grouped matmul vs a per-expert loop, float32 norms/router under bfloat16,
+document positions, bfloat16 params/compute, jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.moe import grouped_experts, route
+from qwen35_jax.layers.norms import gated_rms_norm, rms_norm
+from qwen35_jax.layers.rope import mrope_axis_of_frequency, rope_cos_sin
+from qwen35_jax.model import Qwen35ForCausalLM, document_positions
+
+
+def test_grouped_experts_equal_per_expert_loop():
+    rng = np.random.default_rng(0)
+    t, d, i, e, k = 13, 8, 6, 5, 2
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    gate_up = rng.standard_normal((e, d, 2 * i)).astype(np.float32)
+    down = rng.standard_normal((e, i, d)).astype(np.float32)
+    logits = rng.standard_normal((t, e)).astype(np.float32)
+    logits[:, 4] -= 100.0  # expert 4 gets no tokens: an empty group
+    weights, ids = route(jnp.asarray(logits), k, normalize=True)
+    got = np.asarray(grouped_experts(jnp.asarray(x), weights, ids, jnp.asarray(gate_up), jnp.asarray(down)))
+
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    want = np.zeros_like(x)
+    for n in range(t):
+        top = np.argsort(-probs[n])[:k]
+        w = probs[n, top] / probs[n, top].sum()
+        for j, ex in enumerate(top):
+            h = x[n] @ gate_up[ex]
+            h = h[:i] / (1 + np.exp(-h[:i])) * h[i:]
+            want[n] += w[j] * (h @ down[ex])
+    assert 4 not in np.asarray(ids)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_router_and_norms_compute_in_float32():
+    x = jax.random.normal(jax.random.key(0), (4, 32), jnp.bfloat16)
+    w = jax.random.normal(jax.random.key(1), (32,), jnp.float32) * 0.1
+    want = (x.astype(jnp.float32) * jax.lax.rsqrt(jnp.mean(x.astype(jnp.float32) ** 2, -1, keepdims=True) + 1e-6)
+            * (1 + w)).astype(jnp.bfloat16)
+    assert rms_norm(x, w, 1e-6).dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(rms_norm(x, w, 1e-6), np.float32), np.asarray(want, np.float32))
+    assert gated_rms_norm(x, x, w, 1e-6).dtype == jnp.bfloat16
+    weights, ids = route(x[:, :8], 3, normalize=True)
+    assert weights.dtype == jnp.float32 and ids.dtype == jnp.int32
+    np.testing.assert_allclose(np.asarray(weights.sum(-1)), 1.0, rtol=1e-6)
+
+
+def test_document_positions_restart_per_document():
+    seg = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0], [5, 5, 5, 5, 5, 5, 5, 5]])
+    np.testing.assert_array_equal(np.asarray(document_positions(seg)),
+                                  [[0, 1, 2, 0, 1, 0, 0, 1], [0, 1, 2, 3, 4, 5, 6, 7]])
+
+
+def test_mrope_equal_axes_is_plain_rotary_and_sections_pick_axes():
+    cfg = Qwen35Config.preset("tiny", head_dim=64, partial_rotary_factor=0.5, mrope_section=(6, 5, 5))
+    assert list(mrope_axis_of_frequency(cfg)) == [0, 1, 2] * 5 + [0]
+    pos = jnp.broadcast_to(jnp.arange(10), (2, 10))
+    c2, s2 = rope_cos_sin(pos, cfg)
+    c3, s3 = rope_cos_sin(jnp.broadcast_to(pos, (3, 2, 10)), cfg)
+    np.testing.assert_array_equal(np.asarray(c2), np.asarray(c3))
+    np.testing.assert_array_equal(np.asarray(s2), np.asarray(s3))
+    with pytest.raises(ValueError, match="positions"):
+        rope_cos_sin(jnp.zeros((4, 2, 10)), cfg)
+
+
+def test_bfloat16_params_and_compute_track_float32():
+    cfg = Qwen35Config.preset("tiny-moe")
+    ref = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    low = Qwen35ForCausalLM(cfg.replace(dtype="bfloat16", param_dtype="bfloat16"), rngs=nnx.Rngs(0))
+    dtypes = {p.get_value().dtype for _, p in nnx.to_flat_state(nnx.state(low, nnx.Param))}
+    assert jnp.dtype(jnp.bfloat16) in dtypes
+    # same values, rounded: copy the float32 weights into the bfloat16 model
+    nnx.update(low, jax.tree.map(lambda r, lo: r.astype(lo.dtype), nnx.state(ref, nnx.Param),
+                                 nnx.state(low, nnx.Param)))
+    assert {p.get_value().dtype for _, p in nnx.to_flat_state(nnx.state(low, nnx.Param))} == dtypes
+    tokens = jax.random.randint(jax.random.key(2), (2, 16), 0, cfg.vocab_size)
+    h_ref, h_low = ref(tokens), low(tokens)
+    assert h_low.dtype == jnp.bfloat16 and h_ref.dtype == jnp.float32
+    l_ref, l_low = np.asarray(ref.logits(h_ref)), np.asarray(low.logits(h_low))
+    assert l_low.dtype == np.float32 and np.isfinite(l_low).all()
+    assert np.abs(l_low - l_ref).max() < 0.05 * np.abs(l_ref).max()
+
+
+def test_jit_matches_eager_and_lm_head_weight_is_tied_embedding():
+    cfg = Qwen35Config.preset("tiny")
+    model = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, cfg.vocab_size)
+    seg = jnp.array([[1] * 9 + [2] * 7, [1] * 12 + [0] * 4])
+    eager = model(tokens, segment_ids=seg)
+    jitted = nnx.jit(lambda m, t, s: m(t, segment_ids=s))(model, tokens, seg)
+    np.testing.assert_allclose(np.asarray(jitted), np.asarray(eager), atol=1e-5)
+    assert not hasattr(model, "lm_head")
+    np.testing.assert_array_equal(np.asarray(model.lm_head_weight()),
+                                  np.asarray(model.embed_tokens.embedding[...]).T)
+
+
+def test_bad_inputs_are_clear_errors():
+    cfg = Qwen35Config.preset("tiny")
+    model = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="tokens"):
+        model(jnp.zeros((8,), jnp.int32))
+    with pytest.raises(ValueError, match="positions"):
+        model(jnp.zeros((1, 8), jnp.int32), positions=jnp.zeros((1, 7), jnp.int32))
+    with pytest.raises(ValueError, match="kind"):
+        from qwen35_jax.model import DecoderLayer
+        DecoderLayer(cfg, "sliding_attention", rngs=nnx.Rngs(0))
