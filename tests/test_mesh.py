@@ -17,7 +17,7 @@ from qwen35_jax.parallel.mesh import (
     state_shardings,
     valid_layouts,
 )
-from qwen35_jax.parallel.padding import pad_inputs, positions_from_segments, strip
+from qwen35_jax.parallel.padding import pad_inputs, strip
 
 
 def test_parse_mesh_layouts():
@@ -94,12 +94,6 @@ def test_activation_constraint_is_real_on_cpu():
         y = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, ACT_BSD))(x)
     assert y.sharding.is_equivalent_to(NamedSharding(mesh, ACT_BSD), 3)
     assert y.addressable_shards[0].data.shape == (2, 4, 8)
-
-
-def test_positions_from_segments():
-    seg = jnp.array([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 1, 1, 1, 1, 1, 1]])
-    pos = positions_from_segments(seg)
-    np.testing.assert_array_equal(pos, [[0, 1, 2, 0, 1, 0, 0, 1], list(range(8))])
 
 
 def test_pad_and_strip():

@@ -14,7 +14,7 @@ from qwen35_jax.parallel.mesh import (
     state_shardings,
     valid_layouts,
 )
-from qwen35_jax.parallel.padding import pad_inputs, positions_from_segments, strip
+from qwen35_jax.parallel.padding import pad_inputs, strip
 from qwen35_jax.parallel.ulysses import ulysses_attention, ulysses_gdn
 
 __all__ = [
@@ -28,7 +28,6 @@ __all__ = [
     "pad_inputs",
     "param_spec",
     "parse_mesh",
-    "positions_from_segments",
     "shard_model",
     "state_shardings",
     "strip",

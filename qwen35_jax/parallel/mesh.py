@@ -140,6 +140,21 @@ def context_mesh() -> Any | None:
     return None if mesh.empty else mesh
 
 
+def auto_mesh() -> Any | None:
+    """The context mesh when it spans several devices and no axis is manual (not inside a
+    shard_map over it); else None: then sharding code has nothing to do."""
+    mesh = context_mesh()
+    if mesh is None or mesh.size == 1 or AxisType.Manual in mesh.axis_types:
+        return None
+    return mesh
+
+
+def constrain(x: jax.Array, spec: P) -> jax.Array:
+    """`with_sharding_constraint(x, spec)` on the context mesh (real on CPU meshes too); the identity
+    without a multi-device mesh."""
+    return x if auto_mesh() is None else jax.lax.with_sharding_constraint(x, spec)
+
+
 def param_spec(
     shape: Sequence[int], n_shards: int, *, skip_dims: int = 0, min_size: int = MIN_SHARDED_SIZE
 ) -> P:

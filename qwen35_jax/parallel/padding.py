@@ -12,15 +12,6 @@ import jax
 import jax.numpy as jnp
 
 
-def positions_from_segments(segment_ids: jax.Array) -> jax.Array:  # [B, S] -> [B, S] int32
-    """Index of every token inside its document (0 at each document start); padding counts on too."""
-    s = segment_ids.shape[1]
-    idx = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), segment_ids.shape)  # [B, S]
-    prev = jnp.pad(segment_ids, ((0, 0), (1, 0)), constant_values=-1)[:, :-1]  # [B, S]
-    start = jnp.where(segment_ids != prev, idx, 0)  # [B, S]
-    return idx - jax.lax.cummax(start, axis=1)
-
-
 def padded_size(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 

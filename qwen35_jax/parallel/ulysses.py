@@ -22,10 +22,9 @@ from typing import Literal
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from qwen35_jax.parallel.mesh import FSDP, SP, context_mesh, mesh_axis_size
+from qwen35_jax.parallel.mesh import FSDP, SP, auto_mesh, mesh_axis_size
 
 # Named scopes of the two wrappers: they appear in the HLO metadata (op_name) of their collectives.
 ATTENTION_SCOPE = "ulysses_attention"
@@ -82,10 +81,11 @@ class Arg:
     kind:
       - "seq_heads": a [B, S/sp, ..., H, ...] sequence shard; all-to-all'd to [B, S, ..., H/sp, ...].
       - "seq": a [B, S/sp, ...] sequence shard without heads (segment ids); all-gathered to [B, S, ...].
-      - "heads": a weight with a head axis (conv kernels, A_log): each device takes its heads' slice.
+      - "heads": a weight with a head axis (conv kernels, A_log): passed whole (weights are small),
+        each device takes its heads' slice inside.
       - "replicated": the same on every device (a norm weight).
     head_axis: the head axis of "seq_heads" / "heads".
-    index: global head per device chunk (see `shared_head_index`); applied before splitting.
+    index: global head per device chunk (see `shared_head_index`); None = the plain contiguous split.
     """
 
     kind: Literal["seq_heads", "seq", "heads", "replicated"]
@@ -97,9 +97,17 @@ def _spec(arg: Arg, ndim: int, batch: str | None) -> P:
     spec: list[str | None] = [None] * ndim
     if arg.kind in ("seq_heads", "seq"):
         spec[0], spec[1] = batch, SP
-    elif arg.kind == "heads":
-        spec[arg.head_axis] = SP
     return P(*spec)
+
+
+def _local_heads(w: jax.Array, arg: Arg, sp: int) -> jax.Array:
+    """This device's slice of a whole per-head weight (inside shard_map)."""
+    r = jax.lax.axis_index(SP)
+    if arg.index is None:
+        n = w.shape[arg.head_axis] // sp
+        return jax.lax.dynamic_slice_in_dim(w, r * n, n, axis=arg.head_axis)
+    table = jnp.asarray(arg.index).reshape(sp, -1)  # [sp, Kl]
+    return jnp.take(w, table[r], axis=arg.head_axis)
 
 
 def ulysses_call(
@@ -120,7 +128,7 @@ def ulysses_call(
 
     prepared = []
     for x, k in zip(args, kinds):
-        if k.index is not None:
+        if k.kind == "seq_heads" and k.index is not None:
             x = jnp.take(x, jnp.asarray(k.index), axis=k.head_axis)  # replicate shared heads
         prepared.append(x)
     in_specs = tuple(_spec(k, x.ndim, batch) for x, k in zip(prepared, kinds))
@@ -133,6 +141,8 @@ def ulysses_call(
                 x = jax.lax.all_to_all(x, SP, split_axis=k.head_axis, concat_axis=1, tiled=True)
             elif k.kind == "seq":  # [B, S/sp] -> [B, S]
                 x = jax.lax.all_gather(x, SP, axis=1, tiled=True)
+            elif k.kind == "heads":
+                x = _local_heads(x, k, sp)
             inner.append(x)
         out = core(*inner)  # [B, S, H/sp, d]
         return jax.lax.all_to_all(out, SP, split_axis=1, concat_axis=out_head_axis, tiled=True)
@@ -143,14 +153,9 @@ def ulysses_call(
 
 
 def active_sp_mesh() -> jax.sharding.AbstractMesh | None:
-    """The context mesh when it has an sp axis > 1 that is not already manual, else None."""
-    mesh = context_mesh()
-    if mesh is None or mesh_axis_size(mesh, SP) == 1:
-        return None
-    types = dict(zip(mesh.axis_names, mesh.axis_types))
-    if types.get(SP) == AxisType.Manual:  # already inside a shard_map over sp
-        return None
-    return mesh
+    """The context mesh when it has an sp axis > 1 and is not manual already, else None."""
+    mesh = auto_mesh()
+    return None if mesh_axis_size(mesh, SP) == 1 else mesh
 
 
 def ulysses_attention(
