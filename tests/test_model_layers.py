@@ -111,3 +111,23 @@ def test_bad_inputs_are_clear_errors():
     with pytest.raises(ValueError, match="kind"):
         from qwen35_jax.model import DecoderLayer
         DecoderLayer(cfg, "sliding_attention", rngs=nnx.Rngs(0))
+
+
+@pytest.mark.parametrize("name,total,active", [
+    ("0.8B", 0.8, None), ("4B", 4, None), ("9B", 9, None), ("27B", 27, None),
+    ("35B-A3B", 35, 3), ("397B-A17B", 397, 17),
+])
+def test_published_presets_have_their_advertised_sizes(name, total, active):
+    """Text-model parameter counts (from shapes only) near the size in the model name; the names also count the
+    vision tower and round, hence the tolerances."""
+    cfg = Qwen35Config.preset(name)
+    model = nnx.eval_shape(lambda: Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0)))
+    n_all = n_experts = 0
+    for path, p in nnx.to_flat_state(nnx.state(model, nnx.Param)):
+        n = int(np.prod(p.get_value().shape))
+        n_all += n
+        n_experts += n if "experts" in path else 0
+    assert abs(n_all / 1e9 - total) <= 0.1 * total, n_all
+    if active is not None:
+        n_active = n_all - n_experts + n_experts * cfg.num_experts_per_tok // cfg.num_experts
+        assert abs(n_active / 1e9 - active) <= 0.2 * active, n_active
