@@ -52,6 +52,8 @@ def _from_stats(stats_fn):
 
 SMALL_GPU = pallas.make_blocks("gpu", block_t=16, block_v=64, block_d=16, interpret=True)
 SMALL_TPU = pallas.make_blocks("tpu", block_t=16, block_v=128, interpret=True)
+# Vocabulary blocks split unevenly over programs (5 blocks of 64 for V = 300: 2 + 2 + 1).
+SMALL_GPU_SPLIT = pallas.make_blocks("gpu", block_t=16, block_v=64, block_d=16, interpret=True, v_splits=3)
 
 VARIANTS = {
     "reference": functools.partial(qk.linear_logprob_entropy, backend="reference"),
@@ -149,7 +151,9 @@ def test_large_logits_are_stable():
         assert _rel(dh, r_dh) < 1e-4
 
 
-@pytest.mark.parametrize("layout", [SMALL_GPU, SMALL_TPU], ids=["gpu-layout", "tpu-layout"])
+@pytest.mark.parametrize(
+    "layout", [SMALL_GPU, SMALL_GPU_SPLIT, SMALL_TPU], ids=["gpu-layout", "gpu-layout-3-splits", "tpu-layout"]
+)
 def test_pallas_interpret_equals_xla(layout):
     h, w, labels, g_lp, g_ent = _problem(3, 45, 32, 300)
     a = _value_and_grads(_from_stats(functools.partial(pallas.token_stats, blocks=layout)), h, w, labels, 0.8, g_lp, g_ent)

@@ -44,6 +44,8 @@ class Blocks:
     interpret: bool
     num_warps: int = 4
     num_stages: int = 2
+    v_splits: int = 0  # "gpu" forward: vocabulary splits per token block (0: enough for target_programs)
+    target_programs: int = 1024
 
 
 DEFAULTS = {
@@ -88,14 +90,16 @@ def _gpu_tile_logits(h_ref, w_ref, j, blk: Blocks, n_d: int, vocab: int, inv_t: 
     return tiles.mask_columns(z, cols, vocab), cols
 
 
-def _gpu_fwd_kernel(h_ref, w_ref, l_ref, lse_ref, ent_ref, zl_ref, *, blk, n_v, n_d, vocab, inv_t):
+def _gpu_fwd_kernel(h_ref, w_ref, l_ref, lse_ref, ent_ref, zl_ref, *, blk, n_v, per_split, n_d, vocab, inv_t):
     labels = l_ref[...]  # [bt, 1]
+    first = pl.program_id(1) * per_split  # this program's vocabulary blocks: [first, last)
+    last = jnp.minimum(first + per_split, n_v)
 
     def v_step(j, stats):
         z, cols = _gpu_tile_logits(h_ref, w_ref, j, blk, n_d, vocab, inv_t)
         return tiles.update_stats(stats, z, cols, labels)
 
-    stats = lax.fori_loop(0, n_v, v_step, tiles.init_stats((blk.block_t, 1)))
+    stats = lax.fori_loop(first, last, v_step, tiles.init_stats((blk.block_t, 1)))
     lse, ent, zl = tiles.finish_stats(stats)
     lse_ref[...], ent_ref[...], zl_ref[...] = lse, ent, zl
 
@@ -218,19 +222,32 @@ def _forward(hidden, weight, labels, temperature: float, blk: Blocks):
     out_shape = [tiles.out_struct((tp, 1), jnp.float32, h, w, lab)] * 3
     inv_t = 1.0 / temperature
     if blk.layout == "gpu":
+        # Split the vocabulary over programs too, so a few token blocks still fill the GPU; the
+        # per-split statistics are merged exactly below. No split is empty.
+        splits = blk.v_splits or max(1, -(-blk.target_programs // n_t))
+        per_split = -(-n_v // min(splits, n_v))
+        splits = -(-n_v // per_split)
         kernel = functools.partial(
-            _gpu_fwd_kernel, blk=blk, n_v=n_v, n_d=dp // blk.block_d, vocab=V, inv_t=inv_t
+            _gpu_fwd_kernel, blk=blk, n_v=n_v, per_split=per_split, n_d=dp // blk.block_d, vocab=V,
+            inv_t=inv_t,
         )
-        row = pl.BlockSpec((bt, 1), lambda i: (i, 0))
-        out = pl.pallas_call(
+        part = pl.BlockSpec((None, bt, 1), lambda i, k: (k, i, 0))
+        parts = pl.pallas_call(
             kernel,
-            grid=(n_t,),
-            in_specs=[pl.BlockSpec((bt, dp), lambda i: (i, 0)), pl.BlockSpec((dp, vp), lambda i: (0, 0)), row],
-            out_specs=[row] * 3,
-            out_shape=out_shape,
+            grid=(n_t, splits),
+            in_specs=[
+                pl.BlockSpec((bt, dp), lambda i, k: (i, 0)),
+                pl.BlockSpec((dp, vp), lambda i, k: (0, 0)),
+                pl.BlockSpec((bt, 1), lambda i, k: (i, 0)),
+            ],
+            out_specs=[part] * 3,
+            out_shape=[tiles.out_struct((splits, tp, 1), jnp.float32, h, w, lab)] * 3,
             compiler_params=_params(blk, ()),
             interpret=blk.interpret,
-        )(h, w, lab)
+        )(h, w, lab)  # 3 x [splits, Tp, 1]
+        out = tiles.combine_stats(
+            *parts, max_fn=lambda x: jnp.max(x, axis=0), sum_fn=lambda x: jnp.sum(x, axis=0)
+        )
     else:
         kernel = functools.partial(_tpu_fwd_kernel, n_v=n_v, bv=bv, vocab=V, inv_t=inv_t)
         row = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
@@ -330,6 +347,9 @@ def make_blocks(
     block_v: int | None = None,
     block_d: int | None = None,
     interpret: bool | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    v_splits: int = 0,
 ) -> Blocks:
     """Blocks for this platform: layout "tpu" on TPU, else "gpu"; interpret on anything but GPU/TPU."""
     platform = jax.default_backend()
@@ -345,6 +365,9 @@ def make_blocks(
         block_v=block_v or d["block_v"],
         block_d=block_d or d["block_d"],
         interpret=bool(interpret),
+        num_warps=num_warps,
+        num_stages=num_stages,
+        v_splits=v_splits,
     )
     sizes = [blk.block_t, blk.block_v] + ([blk.block_d] if layout == "gpu" else [])
     if layout == "gpu" and any(b < 16 or b & (b - 1) for b in sizes):

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from . import tiles
 from .api import check_inputs, linear_logprob_entropy, log_probs_from_stats, token_stats
 
 MODES = ("gather", "vocab_parallel")
@@ -58,11 +59,11 @@ def sharded_linear_logprob_entropy(
     lse_k, ent_k, zl_k = token_stats(
         hidden_all, weight, local_labels, temperature=t, backend=backend
     )  # 3 x [n * T_loc]: statistics over this vocabulary shard
-    top = lax.pmax(lax.stop_gradient(lse_k), axis_names)
-    e_k = jnp.exp(lse_k - top)
-    lse = top + jnp.log(lax.psum(e_k, axis_names))
-    entropy = lax.psum(jnp.exp(lse_k - lse) * (ent_k + lse - lse_k), axis_names)
-    label_logit = lax.psum(zl_k, axis_names)
+    lse, entropy, label_logit = tiles.combine_stats(
+        lse_k, ent_k, zl_k,
+        max_fn=lambda x: lax.pmax(x, axis_names),
+        sum_fn=lambda x: lax.psum(x, axis_names),
+    )
     log_probs = log_probs_from_stats(lse, label_logit, labels_all)
 
     def own(x):  # [n * T_loc] -> this device's [T_loc]

@@ -118,3 +118,13 @@ def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
     """
     extra = tuple(sorted(varying_axes(ct) - varying_axes(primal)))
     return jax.lax.psum(ct, extra) if extra else ct
+
+
+def combine_stats(lse_k, ent_k, zl_k, *, max_fn, sum_fn):
+    """Exact merge of statistics over disjoint vocabulary parts k (reduced by max_fn / sum_fn):
+    lse = log sum_k exp(lse_k), w_k = exp(lse_k - lse), entropy = sum_k w_k (entropy_k + lse - lse_k),
+    label_logit = sum_k label_logit_k. Differentiable (the max is only a shift)."""
+    top = max_fn(jax.lax.stop_gradient(lse_k))
+    lse = top + jnp.log(sum_fn(jnp.exp(lse_k - top)))
+    entropy = sum_fn(jnp.exp(lse_k - lse) * (ent_k + lse - lse_k))
+    return lse, entropy, sum_fn(zl_k)
