@@ -93,6 +93,8 @@ class Qwen35ForCausalLM(nnx.Module):
         -> final-normed hidden states [B, S, D] in the compute dtype (no lm_head)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tokens.shape}")
+        if segment_ids is not None and segment_ids.shape != tokens.shape:
+            raise ValueError(f"segment_ids shape {segment_ids.shape} does not match tokens {tokens.shape}")
         if segment_ids is None:
             segment_ids = jnp.ones(tokens.shape, jnp.int32)
             if positions is None:

@@ -108,6 +108,8 @@ def test_bad_inputs_are_clear_errors():
         model(jnp.zeros((8,), jnp.int32))
     with pytest.raises(ValueError, match="positions"):
         model(jnp.zeros((1, 8), jnp.int32), positions=jnp.zeros((1, 7), jnp.int32))
+    with pytest.raises(ValueError, match="segment_ids"):
+        model(jnp.zeros((1, 8), jnp.int32), segment_ids=jnp.ones((1, 9), jnp.int32))
     with pytest.raises(ValueError, match="kind"):
         from qwen35_jax.model import DecoderLayer
         DecoderLayer(cfg, "sliding_attention", rngs=nnx.Rngs(0))

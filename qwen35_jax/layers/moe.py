@@ -34,8 +34,9 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     h = jax.lax.ragged_dot(xs, gate_up.astype(x.dtype), group_sizes)  # [T*k, 2I]
     h = jax.nn.silu(h[:, : two_i // 2]) * h[:, two_i // 2:]
     ys = jax.lax.ragged_dot(h, down.astype(x.dtype), group_sizes)  # [T*k, D]
-    ys = ys * weights.reshape(-1)[order][:, None].astype(ys.dtype)
-    return jnp.zeros_like(x).at[order // k].add(ys)
+    # Unsort with a gather (a permutation), not a scatter-add: deterministic on every backend.
+    y = ys[jnp.argsort(order)].reshape(t, k, -1)  # [T, k, D]
+    return jnp.einsum("tkd,tk->td", y, weights.astype(y.dtype))
 
 
 class Experts(nnx.Module):
