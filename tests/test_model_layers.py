@@ -133,3 +133,26 @@ def test_published_presets_have_their_advertised_sizes(name, total, active):
     if active is not None:
         n_active = n_all - n_experts + n_experts * cfg.num_experts_per_tok // cfg.num_experts
         assert abs(n_active / 1e9 - active) <= 0.2 * active, n_active
+
+
+def _jaxpr_text(cfg: Qwen35Config) -> str:
+    model = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.zeros((1, 8), jnp.int32)
+
+    def loss(state):
+        m = nnx.merge(graphdef, state)
+        return m.logits(m(tokens)).sum()
+
+    return str(jax.make_jaxpr(jax.grad(loss))(state))
+
+
+def test_depth_is_scanned_and_rematerialised():
+    """The traced program does not grow with the number of blocks, and the block runs under remat."""
+    four = _jaxpr_text(Qwen35Config.preset("tiny"))
+    twelve = _jaxpr_text(Qwen35Config.preset("tiny", num_hidden_layers=12,
+                                             layer_types=Qwen35Config.preset("tiny").layer_types * 3))
+    assert len(twelve) < 1.05 * len(four)
+    assert "checkpoint" in four or "remat" in four
+    plain = _jaxpr_text(Qwen35Config.preset("tiny", remat=False))
+    assert "checkpoint" not in plain and "remat" not in plain
