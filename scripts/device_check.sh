@@ -1,0 +1,182 @@
+#!/usr/bin/env bash
+# Device check of the fused log-prob/entropy Pallas kernel on one GPU (written for a lent H200).
+#
+#   OUT=/path/to/results bash scripts/device_check.sh      # on the GPU machine, repo root, < 8 minutes
+#   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/dc bash scripts/device_check.sh   # any machine: tiny
+#                                                          shapes, interpreted kernels
+#
+# Installs nothing. Needs python3 with a CUDA jax (0.11 on the lent machines). Stages, each saved to
+# $OUT/device_check.json as soon as it ends, so a timeout keeps what finished:
+#   1. correctness: the pallas backend compiled for the GPU ("gpu" layout, Triton) against xla, float32
+#      and bfloat16, ragged T and V, values and gradients;
+#   2. speed at T = 8192, D = 4096, V = 248,320 (bf16): a plain [T, D] x [D, V] matmul, then pallas and
+#      xla forward+backward, as rates of 8 T D V FLOPs (forward 2, backward recompute 2 + dh 2 + dW 2),
+#      with compile-time scratch memory;
+#   3. a sweep of Triton block sizes, while time is left.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-./device_check_out}"
+mkdir -p "$OUT"
+export PYTHONPATH=".:kernels${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+{ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true; } >"$OUT/nvidia_smi.txt" 2>&1
+
+timeout "${LIMIT_S:-460}" "${PYTHON:-python3}" - "$OUT" <<'PY' 2>&1 | tee "$OUT/log.txt"
+import json, os, sys, time, traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from qwen35_kernels.logprob_entropy import api, pallas, xla
+
+OUT = sys.argv[1]
+SMOKE = os.environ.get("SMOKE") == "1"
+START = time.perf_counter()
+BUDGET_S = float(os.environ.get("SWEEP_UNTIL_S", "330"))  # no new sweep entry after this
+results = {"jax": jax.__version__, "devices": [str(d) for d in jax.devices()], "smoke": SMOKE,
+           "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime())}
+
+
+def save():
+    with open(os.path.join(OUT, "device_check.json"), "w") as f:
+        json.dump(results, f, indent=1, default=str)
+
+
+def stage(name):
+    def wrap(fn):
+        t0 = time.perf_counter()
+        try:
+            results[name] = fn()
+        except Exception as e:  # keep going: later stages still tell something
+            results[name] = {"error": f"{type(e).__name__}: {e}"[:3000]}
+            traceback.print_exc()
+        print(f"== {name} ({time.perf_counter() - t0:.1f} s): {json.dumps(results[name], default=str)[:1500]}")
+        save()
+    return wrap
+
+
+def blocks(**kw):
+    return pallas.make_blocks("gpu", interpret=SMOKE, **kw)
+
+
+def problem(T, D, V, dtype, seed=0):
+    k = jax.random.split(jax.random.key(seed), 5)
+    h = jax.random.normal(k[0], (T, D), jnp.float32).astype(dtype)
+    w = (jax.random.normal(k[1], (D, V), jnp.float32) * D**-0.5).astype(dtype)
+    labels = jax.random.randint(k[2], (T,), 0, V)
+    labels = jnp.where(jax.random.uniform(k[3], (T,)) < 0.1, -1, labels)
+    g = jax.random.normal(k[4], (2, T))
+    return h, w, labels, g
+
+
+def step(stats_fn, labels, g):
+    def objective(h, w):
+        lse, ent, zl = stats_fn(h, w, labels)
+        lp = api.log_probs_from_stats(lse, zl, labels)
+        return jnp.sum(g[0] * lp) + jnp.sum(g[1] * ent), (lp, ent)
+    return jax.jit(jax.value_and_grad(objective, (0, 1), has_aux=True))
+
+
+def timeit(f, *args, n=5):
+    jax.block_until_ready(f(*args))
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+@stage("correctness")
+def _():
+    out = {}
+    T, D, V = (37, 64, 203) if SMOKE else (1000, 512, 5003)
+    for dtype, tol_val, tol_grad in ((jnp.float32, 1e-4, 1e-3), (jnp.bfloat16, 2e-3, 3e-2)):
+        h, w, labels, g = problem(T, D, V, dtype)
+        with jax.default_matmul_precision("highest"):
+            (_, (lp0, e0)), (dh0, dw0) = step(lambda h, w, l: xla.token_stats(h, w, l), labels, g)(h, w)
+            (_, (lp1, e1)), (dh1, dw1) = step(
+                lambda h, w, l: pallas.token_stats(h, w, l, blocks=blocks()), labels, g)(h, w)
+        r = {"lp_abs": float(jnp.max(jnp.abs(lp1 - lp0))), "ent_abs": float(jnp.max(jnp.abs(e1 - e0))),
+             "dh_rel": rel(dh1, dh0), "dw_rel": rel(dw1, dw0)}
+        r["ok"] = bool(r["lp_abs"] < tol_val and r["ent_abs"] < tol_val and r["dh_rel"] < tol_grad
+                       and r["dw_rel"] < tol_grad)
+        out[jnp.dtype(dtype).name] = r
+    return out
+
+
+T, D, V = (128, 64, 1000) if SMOKE else (8192, 4096, 248320)
+FLOPS = 8.0 * T * D * V
+h, w, labels, g = problem(T, D, V, jnp.bfloat16)
+
+
+@stage("matmul")
+def _():
+    f = jax.jit(lambda h, w: jnp.dot(h, w))  # [T, V] bf16, 2 T D V FLOPs
+    t = timeit(f, h, w)
+    return {"T": T, "D": D, "V": V, "time_s": t, "tflops": 2.0 * T * D * V / t / 1e12}
+
+
+def fused(name, stats_fn, with_memory=True):
+    f = step(stats_fn, labels, g)
+    r = {}
+    if with_memory:
+        r["scratch_MiB"] = f.lower(h, w).compile().memory_analysis().temp_size_in_bytes / 2**20
+    r["time_s"] = timeit(f, h, w, n=3)
+    r["tflops"] = FLOPS / r["time_s"] / 1e12
+    mm = results.get("matmul", {}).get("tflops")
+    if mm:
+        r["fraction_of_matmul"] = r["tflops"] / mm
+    return r
+
+
+@stage("pallas_forward")
+def _():
+    f = jax.jit(lambda h, w: pallas.token_stats(h, w, labels, blocks=blocks()))
+    t = timeit(f, h, w)
+    return {"time_s": t, "tflops": 2.0 * T * D * V / t / 1e12}
+
+
+@stage("pallas_fwd_bwd")
+def _():
+    return fused("pallas", lambda h, w, l: pallas.token_stats(h, w, l, blocks=blocks()))
+
+
+@stage("xla_fwd_bwd")
+def _():
+    return fused("xla", lambda h, w, l: xla.token_stats(h, w, l))
+
+
+@stage("sweep")
+def _():
+    configs = [  # (block_t, block_v, block_d, num_warps, num_stages)
+        (64, 128, 64, 4, 2), (128, 128, 64, 8, 2), (64, 256, 64, 8, 2), (128, 256, 64, 8, 3),
+        (64, 128, 32, 4, 3), (128, 128, 32, 4, 3), (32, 128, 64, 4, 2),
+    ]
+    out = []
+    for bt, bv, bd, nw, ns in configs[:1] if SMOKE else configs:
+        if time.perf_counter() - START > BUDGET_S:
+            out.append({"stopped": "time budget"})
+            break
+        blk = blocks(block_t=bt, block_v=bv, block_d=bd, num_warps=nw, num_stages=ns)
+        try:
+            r = fused("pallas", lambda h, w, l: pallas.token_stats(h, w, l, blocks=blk), with_memory=False)
+        except Exception as e:
+            r = {"error": f"{type(e).__name__}: {e}"[:500]}
+        out.append({"blocks": [bt, bv, bd, nw, ns], **r})
+        print(out[-1])
+        save()
+    return out
+
+
+print(f"total {time.perf_counter() - START:.1f} s")
+PY
+status=$?
+echo "exit status $status; results in $OUT"
+exit $status
