@@ -11,11 +11,13 @@ the form it came in. `load_model` accepts this format or an HF directory.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -26,6 +28,18 @@ from qwen35_jax.hf.names import Layout
 
 FORMAT = "qwen35_jax"
 VERSION = 1
+HOST_GB_IN_FLIGHT = 1  # orbax copies arrays through host memory; cap what it holds at once (GB)
+
+
+def _checkpointer(arrays: Any = None) -> ocp.Checkpointer:
+    """Orbax holding at most ~HOST_GB_IN_FLIGHT of array shards on the host at once (orbax refuses a
+    single shard larger than its cap, so the cap grows to the largest shard of `arrays`)."""
+    largest = max((math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+                   for a in jax.tree.leaves(arrays)), default=0)
+    gb = max(HOST_GB_IN_FLIGHT, math.ceil(largest / 1e9))
+    return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
+        params=ocp.StandardCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb),
+        meta=ocp.JsonCheckpointHandler()))
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
@@ -46,7 +60,7 @@ def save_checkpoint(path: str, params: Any, config: Qwen35Config, *, layout: Lay
             "hf_config": dict(hf_config) if hf_config is not None else None, **(extra or {})}
     with staged_dir(path) as tmp:
         target = os.path.join(tmp, "ckpt")  # orbax creates this directory itself
-        with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+        with _checkpointer(params) as ckptr:
             ckptr.save(target, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
                                                        meta=ocp.args.JsonSave(meta)))
         for name in os.listdir(target):
@@ -67,7 +81,7 @@ def read_metadata(path: str) -> dict[str, Any]:
     path = os.path.abspath(os.fspath(path))
     if not is_checkpoint(path):
         raise ValueError(f"{path}: not a qwen35_jax checkpoint (no params/ and meta/ inside)")
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    with _checkpointer() as ckptr:
         meta = ckptr.restore(path, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise ValueError(f"{path}: metadata is not of format {FORMAT!r}")
@@ -87,7 +101,7 @@ def load_checkpoint(path: str, *, dtype: str | None = None, mesh: jax.sharding.M
     if shardings is None:
         shardings = default_shardings(abstract, mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ckptr:
+    with _checkpointer(target) as ckptr:
         restored = ckptr.restore(path, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
     if dtype is not None and dtype != config.param_dtype:
         if dtype not in _DTYPES:

@@ -2,10 +2,12 @@
 
 A checkpoint directory holds either one `model.safetensors` or several shards listed in
 `model.safetensors.index.json` (`{"metadata": {...}, "weight_map": {tensor name: shard file}}`).
-Reading goes through `safetensors.safe_open`, which parses and checks each header (JSON, data offsets
-covering the file exactly) before any tensor is touched, and reads one tensor at a time from a
-memory map. Writing streams tensor by tensor: the header is computed from shapes and dtypes first,
-so at most one tensor's bytes are in host memory.
+Headers are parsed and checked by `safetensors.safe_open` (JSON, data offsets covering the file
+exactly) before any tensor is touched. Tensors are then read one at a time with plain file reads
+into a fresh array: a memory map would keep every page it touched in the process's resident set
+until it is closed, i.e. the whole checkpoint by the end of an import. Writing streams tensor by
+tensor: the header is computed from shapes and dtypes first, so at most one tensor's bytes are in
+host memory.
 """
 
 from __future__ import annotations
@@ -49,6 +51,8 @@ class TensorInfo:
     file: str  # path of the shard that holds it
     dtype: str  # safetensors dtype name, e.g. "BF16"
     shape: tuple[int, ...]
+    offset: int  # byte offset of the data in the file
+    nbytes: int
 
 
 class SafetensorsCheckpoint:
@@ -58,16 +62,12 @@ class SafetensorsCheckpoint:
         self.directory = os.fspath(directory)
         self.files = _shard_files(self.directory)
         self.tensors: dict[str, TensorInfo] = {}
-        self._handles: dict[str, object] = {}
         listed = _index_weight_map(self.directory)
         for path in self.files:
-            handle = _open(path)
-            self._handles[path] = handle
-            for name in handle.keys():
-                sl = handle.get_slice(name)
-                if name in self.tensors:
-                    raise ValueError(f"{path}: tensor {name} is also stored in {self.tensors[name].file}")
-                self.tensors[name] = TensorInfo(name, path, sl.get_dtype(), tuple(int(d) for d in sl.get_shape()))
+            for info in _read_header(path):
+                if info.name in self.tensors:
+                    raise ValueError(f"{path}: tensor {info.name} is also stored in {self.tensors[info.name].file}")
+                self.tensors[info.name] = info
         if listed is not None:
             for name, fname in listed.items():
                 info = self.tensors.get(name)
@@ -84,22 +84,20 @@ class SafetensorsCheckpoint:
         return name in self.tensors
 
     def read(self, name: str) -> np.ndarray:
-        """One tensor as a host numpy array, with the dtype and shape its header states."""
+        """One tensor as a new host numpy array, with the dtype and shape its header states."""
         info = self.tensors[name]
+        if info.dtype not in DTYPE_TO_NP:
+            raise ValueError(f"{info.file}: tensor {name} has dtype {info.dtype}, which cannot be read")
+        arr = np.empty(info.shape, DTYPE_TO_NP[info.dtype])
         try:
-            arr = self._handles[info.file].get_tensor(name)
-        except (SafetensorError, OSError) as e:
+            with open(info.file, "rb") as f:
+                f.seek(info.offset)
+                got = f.readinto(arr.reshape(-1).view(np.uint8)) if info.nbytes else 0
+        except OSError as e:
             raise ValueError(f"{info.file}: cannot read tensor {name}: {e}") from None
+        if got != info.nbytes:
+            raise ValueError(f"{info.file}: tensor {name} is truncated ({got} of {info.nbytes} bytes)")
         return arr
-
-    def close(self) -> None:
-        self._handles.clear()
-
-    def __enter__(self) -> "SafetensorsCheckpoint":
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 def _shard_files(directory: str) -> list[str]:
@@ -137,10 +135,12 @@ def _index_weight_map(directory: str) -> dict[str, str] | None:
     return weight_map
 
 
-def _open(path: str) -> object:
-    """safe_open with the header checked: JSON parses, offsets are consistent and cover the file."""
+def _read_header(path: str) -> list[TensorInfo]:
+    """The tensors of one file, after safe_open checked its header (JSON, offsets covering the file)."""
     try:
-        return safe_open(path, framework="numpy")
+        with safe_open(path, framework="numpy") as handle:
+            shapes = {n: (handle.get_slice(n).get_dtype(), tuple(int(d) for d in handle.get_slice(n).get_shape()))
+                      for n in handle.keys()}
     except SafetensorError as e:
         msg = str(e)
         if "incomplete metadata" in msg or "not fully covered" in msg:
@@ -148,6 +148,14 @@ def _open(path: str) -> object:
         raise ValueError(f"{path}: corrupt safetensors header ({msg})") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot open: {e}") from None
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    out = []
+    for name, (dtype, shape) in shapes.items():
+        start, end = header[name]["data_offsets"]
+        out.append(TensorInfo(name, path, dtype, shape, 8 + n + int(start), int(end) - int(start)))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- writing
