@@ -156,3 +156,22 @@ def test_depth_is_scanned_and_rematerialised():
     assert "checkpoint" in four or "remat" in four
     plain = _jaxpr_text(Qwen35Config.preset("tiny", remat=False))
     assert "checkpoint" not in plain and "remat" not in plain
+
+
+@pytest.mark.parametrize("s,block_q", [(70, 16), (64, 16), (40, 64)])
+def test_query_blocked_attention_equals_one_block(s, block_q):
+    from qwen35_jax.layers.attention import attention_core
+
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (2, s, 4, 8))
+    k = jax.random.normal(keys[1], (2, s, 2, 8))
+    v = jax.random.normal(keys[2], (2, s, 2, 8))
+    seg = jnp.stack([jnp.where(jnp.arange(s) < s // 3, 1, 2), jnp.where(jnp.arange(s) < s - 5, 7, 0)])
+    full = lambda q, k, v: attention_core(q, k, v, seg, block_q=10 ** 6)
+    blocked = lambda q, k, v: attention_core(q, k, v, seg, block_q=block_q)
+    np.testing.assert_allclose(np.asarray(blocked(q, k, v)), np.asarray(full(q, k, v)), atol=1e-6)
+    loss = lambda f: lambda *a: jnp.sum(jnp.sin(f(*a)))
+    g_full = jax.grad(loss(full), argnums=(0, 1, 2))(q, k, v)
+    g_blocked = jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(g_blocked, g_full):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)

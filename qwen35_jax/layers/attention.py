@@ -12,23 +12,55 @@ from qwen35_jax.layers.rope import apply_rope
 from qwen35_jax.parallel.ulysses import ulysses_attention
 
 
-def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+def _attend_block(qg: jax.Array, k: jax.Array, v: jax.Array, q_idx: jax.Array, q_seg: jax.Array,
+                  kv_seg: jax.Array) -> jax.Array:
+    """One block of queries against every key.
+
+    qg: [B, Q, K, G, Dh], k/v: [B, S, K, Dh], q_idx: [Q] absolute query positions, q_seg: [B, Q],
+    kv_seg: [B, S] -> [B, Q, K, G, Dh]
+    """
+    dh = qg.shape[-1]
+    logits = jnp.einsum("bqkgd,btkd->bkgqt", qg, k).astype(jnp.float32) * (dh ** -0.5)  # [B, K, G, Q, S]
+    causal = q_idx[:, None] >= jnp.arange(k.shape[1])[None, :]  # [Q, S]
+    same_doc = q_seg[:, :, None] == kv_seg[:, None, :]  # [B, Q, S]
+    mask = (causal[None] & same_doc)[:, None, None]  # [B, 1, 1, Q, S]
+    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+    return jnp.einsum("bkgqt,btkd->bqkgd", probs, v)
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                   block_q: int = 1024) -> jax.Array:
     """Causal softmax attention that never crosses documents; softmax in float32.
 
     q: [B, S, H, Dh] (normed, rotated), k/v: [B, S, K, Dh] with H % K == 0, segment_ids: [B, S]
     -> [B, S, H, Dh]. Scale 1/sqrt(Dh). Query head h reads kv head h // (H // K).
+    Sequences longer than `block_q` run block by block of queries (each row's softmax still sees every
+    key, so the result is the same), rematerialised in the backward pass: peak memory
+    O(block_q * S) per head instead of O(S^2).
     """
     b, s, h, dh = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, s, kh, h // kh, dh)  # [B, S, K, G, Dh]
-    logits = jnp.einsum("bskgd,btkd->bkgst", qg, k).astype(jnp.float32) * (dh ** -0.5)  # [B, K, G, S, S]
-    causal = jnp.tril(jnp.ones((s, s), bool))
-    same_doc = segment_ids[:, :, None] == segment_ids[:, None, :]  # [B, S, S]
-    mask = (causal[None] & same_doc)[:, None, None]  # [B, 1, 1, S, S]
-    logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    out = jnp.einsum("bkgst,btkd->bskgd", probs, v)  # [B, S, K, G, Dh]
-    return out.reshape(b, s, h, dh)
+    if s <= block_q:
+        return _attend_block(qg, k, v, jnp.arange(s), segment_ids, segment_ids).reshape(b, s, h, dh)
+    nb = -(-s // block_q)
+    pad = nb * block_q - s
+    # Padded query rows get segment -1: they match no key and are dropped below.
+    qg_p = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
+    seg_p = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
+    q_blocks = jnp.moveaxis(qg_p.reshape(b, nb, block_q, kh, h // kh, dh), 1, 0)  # [nb, B, Q, K, G, Dh]
+    seg_blocks = jnp.moveaxis(seg_p.reshape(b, nb, block_q), 1, 0)  # [nb, B, Q]
+    idx_blocks = jnp.arange(nb * block_q).reshape(nb, block_q)  # [nb, Q]
+
+    @jax.checkpoint
+    def one(args):
+        qb, segb, idxb = args
+        return _attend_block(qb, k, v, idxb, segb, segment_ids)
+
+    out = jax.lax.map(one, (q_blocks, seg_blocks, idx_blocks))  # [nb, B, Q, K, G, Dh]
+    out = jnp.moveaxis(out, 0, 1).reshape(b, nb * block_q, h, dh)
+    return out[:, :s]
 
 
 class Attention(nnx.Module):
