@@ -1,6 +1,6 @@
 """Our checkpoint format: an orbax directory with the parameters and a JSON metadata item.
 
-    CKPT_DIR/params   orbax StandardSave of the parameter pure dict (sharded arrays, restored sharded)
+    CKPT_DIR/params   orbax PyTree item: the parameter pure dict (sharded arrays, restored sharded)
     CKPT_DIR/meta     {"format", "version", "config": Qwen35Config fields,
                        "layout": names.Layout of the HF source or null, "hf_config": its config.json or null}
 
@@ -28,19 +28,23 @@ from qwen35_jax.hf.names import Layout
 
 FORMAT = "qwen35_jax"
 VERSION = 1
+_DTYPES = ("float32", "bfloat16", "float16")
 HOST_GB_IN_FLIGHT = 1  # orbax copies arrays through host memory; cap what it holds at once (GB)
 
 
 def _checkpointer(arrays: Any = None) -> ocp.Checkpointer:
     """Orbax holding at most ~HOST_GB_IN_FLIGHT of array shards on the host at once (orbax refuses a
-    single shard larger than its cap, so the cap grows to the largest shard of `arrays`)."""
+    single shard larger than its cap, so the cap grows to the largest shard of `arrays`).
+
+    Uncompressed: compressing (random-looking) weights gains nothing, and the compressor's buffers
+    held a second copy of the whole model in host memory while saving (docs/benchmarks.md).
+    """
     largest = max((math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
                    for a in jax.tree.leaves(arrays)), default=0)
     gb = max(HOST_GB_IN_FLIGHT, math.ceil(largest / 1e9))
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
-        params=ocp.StandardCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb),
+        params=ocp.PyTreeCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb, use_compression=False),
         meta=ocp.JsonCheckpointHandler()))
-_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _config_dict(config: Qwen35Config) -> dict[str, Any]:
@@ -61,7 +65,7 @@ def save_checkpoint(path: str, params: Any, config: Qwen35Config, *, layout: Lay
     with staged_dir(path) as tmp:
         target = os.path.join(tmp, "ckpt")  # orbax creates this directory itself
         with _checkpointer(params) as ckptr:
-            ckptr.save(target, args=ocp.args.Composite(params=ocp.args.StandardSave(params),
+            ckptr.save(target, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params),
                                                        meta=ocp.args.JsonSave(meta)))
         for name in os.listdir(target):
             os.rename(os.path.join(target, name), os.path.join(tmp, name))
@@ -94,6 +98,8 @@ def load_checkpoint(path: str, *, dtype: str | None = None, mesh: jax.sharding.M
                     shardings: Any = None) -> tuple[nnx.Module, Qwen35Config, dict[str, Any]]:
     """Restore one of our checkpoints straight into its target shardings: (model, config, metadata)."""
     path = os.path.abspath(os.fspath(path))
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
     meta = read_metadata(path)
     config = Qwen35Config(**meta["config"])
     graphdef, params, rest = abstract_model(config)
@@ -102,10 +108,10 @@ def load_checkpoint(path: str, *, dtype: str | None = None, mesh: jax.sharding.M
         shardings = default_shardings(abstract, mesh)
     target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
     with _checkpointer(target) as ckptr:
-        restored = ckptr.restore(path, args=ocp.args.Composite(params=ocp.args.StandardRestore(target)))["params"]
+        restore_args = ocp.checkpoint_utils.construct_restore_args(target)
+        restored = ckptr.restore(path, args=ocp.args.Composite(
+            params=ocp.args.PyTreeRestore(target, restore_args=restore_args)))["params"]
     if dtype is not None and dtype != config.param_dtype:
-        if dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
         restored = jax.tree.map(lambda x: x.astype(dtype), restored)
         config = config.replace(param_dtype=dtype)
         graphdef, params, rest = abstract_model(config)

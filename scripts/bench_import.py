@@ -4,11 +4,12 @@
     python scripts/bench_import.py [--preset 0.8B] [--dtype float32] [--workdir DIR] [--max-shard-size 2GB]
 
 Writes a random checkpoint with the published shapes of --preset (HF names, shards + index) and
-then measures, each in a fresh process: `load_hf` (tensor by tensor onto the device), the same plus
-writing our orbax checkpoint (what scripts/import_hf.py does), and for comparison a naive load that
-reads every tensor with `safetensors.numpy.load_file` before placing it. On a CPU backend the
-"device" is host memory too, so the loaded parameters themselves count in RSS; the overhead column
-is peak RSS minus the RSS before loading minus the parameter bytes.
+measures the two steps of scripts/import_hf.py in a fresh process, the peak reset between them:
+`load_hf` (tensor by tensor onto the device) and `save_checkpoint` (orbax); then, in another fresh
+process, a naive load that reads every tensor with `safetensors.numpy.load_file` before placing
+it. On a CPU backend the "device" is host memory too, so the loaded parameters themselves count in
+RSS; the overhead column is peak RSS minus the RSS before the step minus the new parameter bytes.
+Linux only (reads /proc/self/status).
 """
 
 from __future__ import annotations
@@ -16,26 +17,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from typing import Any
 
 _SIZE_UNITS = {"MB": 10**6, "GB": 10**9}
 
 
-def _rss_now() -> int:
+def _status(field: str) -> int:
+    """A byte count from /proc/self/status (VmRSS: now, VmHWM: peak since start or last reset)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
-    return 0
+    raise RuntimeError(f"no {field} in /proc/self/status (this benchmark needs Linux)")
 
 
-def _peak_rss() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def _reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS
 
 
 def make_checkpoint(directory: str, preset: str, dtype: str, max_shard_bytes: int) -> dict:
@@ -76,24 +79,35 @@ def child(mode: str, hf_dir: str, out_dir: str) -> None:
     from qwen35_jax.hf.safetensors_io import SafetensorsCheckpoint
 
     jax.devices()
-    base = _rss_now()  # after every import, so all modes start from the same point
-    t0 = time.perf_counter()
-    if mode == "naive":
+    rows = []
+
+    def measure(name: str, fn) -> Any:
+        _reset_peak()
+        base, t0 = _status("VmRSS"), time.perf_counter()
+        result, nbytes = fn()
+        rows.append({"mode": name, "base": base, "peak": _status("VmHWM"), "params": nbytes,
+                     "seconds": time.perf_counter() - t0})
+        return result
+
+    def naive() -> tuple[None, int]:
         host = {}
         for path in SafetensorsCheckpoint(hf_dir).files:
             host.update(load_file(path))
-        arrays = [jax.device_put(x) for x in host.values()]
-        jax.block_until_ready(arrays)
-        nbytes = sum(x.nbytes for x in arrays)
-    else:
+        arrays = jax.block_until_ready([jax.device_put(x) for x in host.values()])
+        return None, sum(x.nbytes for x in arrays)
+
+    def load() -> tuple[Any, int]:
         model, config, ckpt = load_hf(hf_dir)
-        params = jax.tree.leaves(nnx.state(model, nnx.Param))
-        jax.block_until_ready(params)
-        nbytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in params)
-        if mode == "import":
-            save_checkpoint(out_dir, model, config, layout=ckpt.layout, hf_config=ckpt.raw_config)
-    print(json.dumps({"mode": mode, "base": base, "peak": _peak_rss(), "params": nbytes,
-                      "seconds": time.perf_counter() - t0}))
+        params = jax.block_until_ready(jax.tree.leaves(nnx.state(model, nnx.Param)))
+        return (model, config, ckpt), sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in params)
+
+    if mode == "naive":
+        measure("naive: load_file all, then device_put", naive)
+    else:
+        model, config, ckpt = measure("load_hf (tensor by tensor)", load)
+        measure("save_checkpoint (orbax), after load_hf", lambda: (save_checkpoint(
+            out_dir, model, config, layout=ckpt.layout, hf_config=ckpt.raw_config), 0))
+    print(json.dumps(rows))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="checkpoint dtype")
     p.add_argument("--workdir", default=None, help="where to write the synthetic checkpoint (default: a temp dir)")
     p.add_argument("--max-shard-size", default="2GB", help="shard size of the synthetic checkpoint (MB/GB)")
-    p.add_argument("--modes", default="load,import,naive", help="comma-separated: load, import, naive")
+    p.add_argument("--modes", default="import,naive", help="comma-separated: import (load_hf + orbax save), naive")
     p.add_argument("--child", nargs=3, metavar=("MODE", "HF_DIR", "OUT_DIR"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
@@ -134,15 +148,15 @@ def main(argv: list[str] | None = None) -> int:
             if r.returncode != 0:
                 print(f"bench_import: {mode} failed:\n{r.stderr[-2000:]}", file=sys.stderr)
                 return 1
-            m = json.loads(r.stdout.strip().splitlines()[-1])
+            rows += json.loads(r.stdout.strip().splitlines()[-1])
             shutil.rmtree(out_dir, ignore_errors=True)
-            rows.append(m)
         gb = 1e9
-        print("\n| mode | peak RSS (GB) | RSS before (GB) | params (GB) | overhead (GB) | overhead / largest tensor | time (s) |")
+        print("\n| step | RSS before (GB) | peak RSS (GB) | new params (GB) | overhead (GB) | overhead / largest tensor "
+              "| time (s) |")
         print("| --- | --- | --- | --- | --- | --- | --- |")
         for m in rows:
             over = m["peak"] - m["base"] - m["params"]
-            print(f"| {m['mode']} | {m['peak'] / gb:.2f} | {m['base'] / gb:.2f} | {m['params'] / gb:.2f} | "
+            print(f"| {m['mode']} | {m['base'] / gb:.2f} | {m['peak'] / gb:.2f} | {m['params'] / gb:.2f} | "
                   f"{over / gb:.2f} | {over / info['largest']:.2f} | {m['seconds']:.1f} |")
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -128,10 +128,15 @@ def inspect_hf(directory: str) -> HFCheckpoint:
 
 
 # ------------------------------------------------------------------------------------------ model side
+def path_str(path: tuple[Any, ...]) -> str:
+    """A pytree key path as the table writes it: "blocks.layers.0.mlp.gate_proj.kernel"."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
+
+
 def param_paths(pure: Mapping[str, Any]) -> dict[str, Any]:
     """Flatten a pure-dict param tree into {"a.b.0.kernel": leaf}."""
     flat, _ = jax.tree_util.tree_flatten_with_path(pure)
-    return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf for path, leaf in flat}
+    return {path_str(path): leaf for path, leaf in flat}
 
 
 def check_coverage(table: list[N.Entry], abstract: Mapping[str, Any]) -> None:
@@ -231,8 +236,7 @@ def load_hf(directory: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh
 
         entries = tqdm(entries, desc="loading", unit="param")
     loaded = {e.path: _load_entry(ckpt.files, e, np_dtype, target[e.path]) for e in entries}
-    pure = jax.tree_util.tree_map_with_path(
-        lambda path, _: loaded[".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)], abstract)
+    pure = jax.tree_util.tree_map_with_path(lambda path, _: loaded[path_str(path)], abstract)
     nnx.replace_by_pure_dict(params, pure)
     ckpt.config = config
     return nnx.merge(graphdef, params, rest), config, ckpt
