@@ -146,3 +146,9 @@ def test_gradients_match_torch():
         (("blocks", "layers", 1, "mlp", "experts", "down_proj"), "model.layers.3.mlp.experts.down_proj"),
         (("blocks", "layers", 0, "mlp", "gate", "kernel"), "model.layers.2.mlp.gate.weight"),
     ])
+
+
+def test_long_sequence_query_blocked_attention_matches_hf():
+    """Past 1024 tokens attention runs in query blocks; still transformers' logits."""
+    cfg = Qwen35Config.preset("tiny", num_hidden_layers=1, layer_types=ATTN)
+    _check_logits(cfg, b=1, lengths=(1030,))
