@@ -113,6 +113,8 @@ class Qwen35Config:
             if self.num_experts_per_tok > self.num_experts:
                 raise ValueError(
                     f"num_experts_per_tok ({self.num_experts_per_tok}) exceeds num_experts ({self.num_experts})")
+            if not self.norm_topk_prob:
+                raise ValueError("norm_topk_prob=False is not supported (Qwen3.5 MoE renormalises top-k weights)")
             if self.hf_model_type not in ("qwen3_5_moe_text", "qwen3_5_moe"):
                 raise ValueError(f"num_experts > 0 needs an MoE model type, got {self.hf_model_type!r}")
         else:

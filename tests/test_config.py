@@ -124,6 +124,8 @@ def test_moe_norm_topk_false_is_rejected():
     d["norm_topk_prob"] = False
     with pytest.raises(ValueError, match="norm_topk_prob"):
         Qwen35Config.from_hf(d)
+    with pytest.raises(ValueError, match="norm_topk_prob"):
+        Qwen35Config.preset("tiny-moe", norm_topk_prob=False)
 
 
 def test_bad_sources_and_presets(tmp_path):
