@@ -1,13 +1,14 @@
 #!/usr/bin/env python
 """Export a qwen35_jax checkpoint as a Hugging Face checkpoint (safetensors + config.json).
 
-    python scripts/export_hf.py CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--extra-from HF_DIR]
+    python scripts/export_hf.py CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--extra-from HF_DIR] [--dtype bfloat16]
 
 Tensor names, expert storage (fused or per expert), tying and every tensor's dtype follow the HF
 checkpoint the model was imported from, so import then export gives back each text-model tensor bit
 for bit; a model made from scratch gets the layout transformers writes for its config. Output larger
 than --max-shard-size is split into shards with model.safetensors.index.json. --extra-from copies the
 tensors we do not model (vision tower, MTP head) and side files (tokenizer ...) from the original.
+--dtype writes every text tensor in one dtype instead (and sets it in config.json).
 OUT_DIR must not exist; it appears only when complete.
 """
 
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest shard file (default 5GB)")
     p.add_argument("--extra-from", default=None, metavar="HF_DIR",
                    help="copy vision/MTP tensors and tokenizer files from this HF checkpoint")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="dtype of the written tensors (default: each tensor's dtype in the source)")
     args = p.parse_args(argv)
 
     from flax import nnx
@@ -50,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         model, config, meta = load_checkpoint(args.ckpt_dir)
         layout = Layout.from_dict(meta["layout"]) if meta.get("layout") else None
         files = export_hf(nnx.state(model, nnx.Param), config, args.out_dir, layout=layout,
-                          hf_config=meta.get("hf_config"), max_shard_bytes=args.max_shard_size,
+                          hf_config=meta.get("hf_config"), dtype=args.dtype, max_shard_bytes=args.max_shard_size,
                           extra_from=args.extra_from, progress=True)
     except ValueError as e:
         print(f"export_hf: error: {e}", file=sys.stderr)

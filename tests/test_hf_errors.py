@@ -218,3 +218,10 @@ def test_library_errors_are_value_errors(bad):
         inspect_hf(bad)
     with pytest.raises(ValueError, match="not a directory"):
         inspect_hf(os.path.join(bad, "nope"))
+
+
+def test_bad_mesh(base, tmp_path, capsys):
+    rc = load_script("import_hf").main([base, str(tmp_path / "out"), "--mesh", "fsdp=3,sp=1"])
+    msg = one_line(capsys.readouterr().err)
+    assert rc != 0 and "fsdp=3" in msg and "valid layouts" in msg
+    assert_nothing_written(str(tmp_path / "out"))

@@ -266,3 +266,21 @@ def test_script_main_in_process(hf, tmp_path, capsys):
     assert read_metadata(str(tmp_path / "c"))["config"]["param_dtype"] == "float32"
     assert exp.main([str(tmp_path / "c"), str(tmp_path / "h")]) == 0
     assert all_tensors(str(tmp_path / "h")) == all_tensors(hf["moe_tied-bfloat16"])  # bf16 -> f32 -> bf16 exact
+
+
+def test_script_mesh_and_export_dtype(hf, tmp_path):
+    """--mesh loads onto an fsdp x sp mesh; export --dtype bfloat16 rounds like torch and says so."""
+    import torch
+    import transformers as tf
+
+    imp, exp = load_script("import_hf"), load_script("export_hf")
+    src = hf["dense-float32"]
+    assert imp.main([src, str(tmp_path / "c"), "--mesh", "fsdp=2,sp=4"]) == 0
+    assert exp.main([str(tmp_path / "c"), str(tmp_path / "h"), "--dtype", "bfloat16"]) == 0
+    got = all_tensors(str(tmp_path / "h"))
+    assert {v[0] for v in got.values()} == {"BF16"}
+    with open(tmp_path / "h" / "config.json") as f:
+        assert json.load(f)["dtype"] == "bfloat16"
+    want = {k: v.to(torch.bfloat16) for k, v in tf.AutoModelForCausalLM.from_pretrained(src).state_dict().items()}
+    back = tf.AutoModelForCausalLM.from_pretrained(str(tmp_path / "h")).state_dict()
+    assert back.keys() == want.keys() and all(torch.equal(back[k], want[k]) for k in want)

@@ -10,6 +10,7 @@ The directory appears under its final name only when complete.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -97,13 +98,25 @@ def _param_tensors(params: Mapping[str, Any], config: Qwen35Config, layout: N.La
     return [t for _, t in ordered]
 
 
+def _with_dtype(hf_config: Mapping[str, Any], dtype: str) -> dict[str, Any]:
+    """config.json with its dtype fields (top level and text_config) set to `dtype`."""
+    out = json.loads(json.dumps(hf_config))
+    for d in (out, out.get("text_config")):
+        if isinstance(d, dict):
+            d["dtype"] = dtype
+            d.pop("torch_dtype", None)
+    return out
+
+
 def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, layout: N.Layout | None = None,
-              hf_config: Mapping[str, Any] | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-              extra_from: str | None = None, progress: bool = False) -> list[str]:
+              hf_config: Mapping[str, Any] | None = None, dtype: str | None = None,
+              max_shard_bytes: int = MAX_SHARD_BYTES, extra_from: str | None = None,
+              progress: bool = False) -> list[str]:
     """Write `params` (a pure dict or nnx State of our parameters) as an HF checkpoint at `out_dir`.
 
     `layout` defaults to what transformers writes for `config`; `hf_config` (the source config.json)
-    defaults to `config.to_hf_dict()`. `extra_from`: an HF checkpoint whose non-text tensors (vision
+    defaults to `config.to_hf_dict()`. `dtype` ("float32", "bfloat16", "float16") writes every text
+    tensor in that dtype instead of the source's, and says so in config.json. `extra_from`: an HF checkpoint whose non-text tensors (vision
     tower, MTP head) and side files (tokenizer, generation config) are copied over unchanged.
     Returns the file names written.
     """
@@ -111,6 +124,11 @@ def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, 
         params = nnx.to_pure_dict(params)
     check_new_output(out_dir)
     layout = layout or N.Layout.default(config)
+    if dtype is not None:
+        if dtype not in N.FLOAT_TO_ST:
+            raise ValueError(f"dtype must be one of {sorted(N.FLOAT_TO_ST)}, got {dtype!r}")
+        layout = dataclasses.replace(layout, dtype=N.FLOAT_TO_ST[dtype], dtype_overrides={})
+        hf_config = _with_dtype(hf_config if hf_config is not None else config.to_hf_dict(), dtype)
     if layout.tied != config.tie_word_embeddings:
         raise ValueError(f"layout says tied={layout.tied} but config.tie_word_embeddings={config.tie_word_embeddings}")
     tensors = _param_tensors(params, config, layout)
