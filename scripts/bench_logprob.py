@@ -8,6 +8,11 @@ and runs `--repeats` forward+backward steps after one warm-up.
 
     python scripts/bench_logprob.py --T 1024 4096 16384 --skip-time
     python scripts/bench_logprob.py --T 1024 --repeats 2 --backends reference xla tokamax
+    python scripts/bench_logprob.py --sharded fsdp=2,sp=4 --T 4096 --dtype bfloat16   # per device
+
+With --sharded F,S the two lm_head modes of sharded_linear_logprob_entropy ("gather": all-gather the
+weight; "vocab_parallel": all-gather the hidden states) are compared by per-device scratch memory, T
+tokens per device, on an F x S mesh (on CPU, F * S simulated devices).
 """
 
 from __future__ import annotations
@@ -15,9 +20,17 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
+import re
 import sys
 import time
+
+_MESH = re.search(r"--sharded[= ]fsdp=(\d+),sp=(\d+)", " ".join(sys.argv))
+if _MESH and "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    # XLA reads the device count once, when jax initialises: set it before the import (CPU only).
+    n = int(_MESH.group(1)) * int(_MESH.group(2))
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n}"
 
 import jax
 import jax.numpy as jnp
@@ -84,6 +97,36 @@ def wall_time(backend: str, T: int, D: int, V: int, dtype, repeats: int) -> dict
     return {"time_s": float(np.median(times)), "times_s": times}
 
 
+def sharded_memory(mode: str, backend: str, fsdp: int, sp: int, T: int, D: int, V: int, dtype) -> dict:
+    """Per-device scratch of a sharded forward+backward, T tokens per device, V split over all devices."""
+    from jax.sharding import AxisType, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((fsdp, sp), ("fsdp", "sp"), axis_types=(AxisType.Auto, AxisType.Auto))
+    axes = ("fsdp", "sp")
+    n = fsdp * sp
+
+    def local(h, w, labels):
+        lp, ent = qk.sharded_linear_logprob_entropy(h, w, labels, mode=mode, axis_names=axes, backend=backend)
+        return lp, ent
+
+    sm = jax.shard_map(local, mesh=mesh, in_specs=(P(axes), P(None, axes), P(axes)), out_specs=(P(axes), P(axes)))
+
+    def loss(h, w, labels):
+        lp, ent = sm(h, w, labels)
+        return -jnp.sum(lp) + 0.01 * jnp.sum(ent)
+
+    args = (
+        jax.ShapeDtypeStruct((n * T, D), dtype, sharding=NamedSharding(mesh, P(axes))),
+        jax.ShapeDtypeStruct((D, V), dtype, sharding=NamedSharding(mesh, P(None, axes))),
+        jax.ShapeDtypeStruct((n * T,), jnp.int32, sharding=NamedSharding(mesh, P(axes))),
+    )
+    t0 = time.perf_counter()
+    m = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).compile().memory_analysis()
+    return {"temp_MiB": m.temp_size_in_bytes / MiB, "args_MiB": m.argument_size_in_bytes / MiB,
+            "out_MiB": m.output_size_in_bytes / MiB, "compile_s": time.perf_counter() - t0}
+
+
 def available(backend: str) -> bool:
     if backend != "tokamax":
         return True
@@ -106,6 +149,8 @@ def main(argv=None) -> int:
     p.add_argument("--skip-time", action="store_true", help="memory analysis only (no allocation)")
     p.add_argument("--time-max-T", type=int, default=None, help="time only T up to this (memory for all)")
     p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.add_argument("--sharded", default=None, metavar="fsdp=F,sp=S",
+                   help="compare the sharded lm_head modes on this mesh (memory only, per device)")
     a = p.parse_args(argv)
     if min(a.T) < 1 or a.D < 1 or a.V < 1 or a.repeats < 1:
         print("error: --T, --D, --V and --repeats must be positive", file=sys.stderr)
@@ -114,6 +159,30 @@ def main(argv=None) -> int:
     print(f"# {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, jax {jax.__version__}, "
           f"{jax.default_backend()} ({platform.processor() or platform.machine()}, {jax.device_count()} devices), "
           f"D={a.D} V={a.V} dtype={a.dtype}; command: {' '.join(sys.argv)}")
+    if a.sharded:
+        m = re.fullmatch(r"fsdp=(\d+),sp=(\d+)", a.sharded)
+        if not m or int(m.group(1)) * int(m.group(2)) != jax.device_count():
+            print(f"error: --sharded must be fsdp=F,sp=S with F*S = {jax.device_count()} devices, "
+                  f"got {a.sharded!r}", file=sys.stderr)
+            return 2
+        f, s = int(m.group(1)), int(m.group(2))
+        if a.V % (f * s):
+            print(f"error: --V {a.V} must divide by the {f * s} devices", file=sys.stderr)
+            return 2
+        backend = "xla" if "tokamax" in a.backends or "reference" in a.backends else a.backends[0]
+        print(f"| mode ({backend}) | T per device | scratch MiB per device | args MiB | out MiB | compile s |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        rows = []
+        for T in a.T:
+            for mode in qk.MODES:
+                row = {"mode": mode, "T": T, **sharded_memory(mode, backend, f, s, T, a.D, a.V, dtype)}
+                rows.append(row)
+                print(f"| {mode} | {T} | {row['temp_MiB']:.1f} | {row['args_MiB']:.1f} | {row['out_MiB']:.1f} "
+                      f"| {row['compile_s']:.1f} |", flush=True)
+        if a.json:
+            with open(a.json, "w") as fh:
+                json.dump(rows, fh, indent=1)
+        return 0
     print("| backend | T | scratch MiB | args MiB | out MiB | compile s | fwd+bwd s |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     rows = []

@@ -7,6 +7,12 @@ once, while dh [T, D] (float32) is accumulated across it. Nothing of size T * V 
 
 A vocabulary that is not a multiple of block_v is handled without copying the weight: the last block
 starts at V - block_v and masks the columns the previous block already covered.
+
+On CPU, non-float32 (bfloat16) weight, dW and hidden states are sliced and updated through a
+same-width unsigned integer view (`_bits`): XLA on CPU computes bfloat16 dynamic slices and updates in
+float32 and hoists the convert of the whole loop-invariant weight out of the loop, a weight-sized
+float32 copy (two with dW). The view costs one weight-sized buffer (dW does not alias the output
+through it). float32 inputs, and every dtype on GPU/TPU, are sliced and updated in place.
 """
 
 from __future__ import annotations
@@ -33,11 +39,22 @@ def _blocks(num_tokens: int, vocab: int, block_t: int, block_v: int) -> tuple[in
     return bt, _round_up(num_tokens, bt), min(block_v, vocab)
 
 
-def _vocab_block(weight: jax.Array, j: jax.Array, bv: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Block j of the vocabulary: (w_v [D, bv], cols [1, bv] global ids, first new column id)."""
-    vocab = weight.shape[1]
+def _bits(x: jax.Array) -> jax.Array:
+    """Non-float32 on CPU: the same bytes as unsigned integers of the same width; else x itself."""
+    if x.dtype == jnp.float32 or jax.default_backend() != "cpu":
+        return x
+    return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
+
+
+def _unbits(x: jax.Array, dtype) -> jax.Array:
+    return x if x.dtype == dtype else lax.bitcast_convert_type(x, dtype)
+
+
+def _vocab_block(w_bits: jax.Array, dtype, j: jax.Array, bv: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """Block j of the vocabulary: (w_v [D, bv] in `dtype`, cols [1, bv] global ids, first new column id)."""
+    vocab = w_bits.shape[1]
     start = jnp.minimum(j * bv, vocab - bv)
-    w_v = lax.dynamic_slice_in_dim(weight, start, bv, axis=1)
+    w_v = _unbits(lax.dynamic_slice_in_dim(w_bits, start, bv, axis=1), dtype)
     cols = start + lax.broadcasted_iota(jnp.int32, (1, bv), 1)
     return w_v, cols, j * bv
 
@@ -52,14 +69,16 @@ def _forward(hidden, weight, labels, temperature, block_t, block_v):
     V = weight.shape[1]
     bt, tp, bv = _blocks(T, V, block_t, block_v)
     nt, nv = tp // bt, -(-V // bv)
-    hb = jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D)
+    hb = _bits(jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D))
     lb = jnp.pad(labels.astype(jnp.int32), (0, tp - T), constant_values=-1).reshape(nt, bt, 1)
+    w_bits = _bits(weight)
 
     def token_block(args):
-        h_t, l_t = args  # [bt, D], [bt, 1]
+        h_t, l_t = args  # [bt, D] (bits), [bt, 1]
+        h_t = _unbits(h_t, hidden.dtype)
 
         def vocab_step(j, stats):
-            w_v, cols, first = _vocab_block(weight, j, bv)
+            w_v, cols, first = _vocab_block(w_bits, weight.dtype, j, bv)
             z = _tile_logits(h_t, w_v, cols, first, V, temperature)
             return tiles.update_stats(stats, z, cols, l_t)
 
@@ -90,36 +109,39 @@ def _stats_bwd(temperature, block_t, block_v, res, cts):
     def col(x, fill=0):  # [T] -> [nt, bt, 1]
         return jnp.pad(x, (0, tp - T), constant_values=fill).reshape(nt, bt, 1)
 
-    hb = jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D)
+    hb = _bits(jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D))
+    w_bits = _bits(weight)
     lb = col(labels.astype(jnp.int32), -1)
+    to_buf, from_buf = _bits, lambda x: _unbits(x, weight.dtype)  # dW buffer (see the top)
     lse_b, mean_b = col(lse), col(lse - ent)
     g_lse, g_ent, g_zl = (col(jnp.asarray(g, jnp.float32)) for g in cts)
 
     def vocab_step(j, carry):
-        dh, dw = carry  # [nt, bt, D] f32, [D, V] weight dtype
-        w_v, cols, first = _vocab_block(weight, j, bv)
+        dh, dw = carry  # [nt, bt, D] f32, [D, V] weight bits
+        w_v, cols, first = _vocab_block(w_bits, weight.dtype, j, bv)
 
         def token_step(i, c):
             dh, dw_v = c
-            z = _tile_logits(hb[i], w_v, cols, first, V, temperature)
+            h_t = _unbits(hb[i], hidden.dtype)  # [bt, D]
+            z = _tile_logits(h_t, w_v, cols, first, V, temperature)
             dz = tiles.dlogits(
                 z, cols, lb[i], lse_b[i], mean_b[i], g_lse[i], g_ent[i], g_zl[i], temperature
             )  # [bt, bv]
             dh = dh.at[i].add(jnp.dot(dz, w_v.T, preferred_element_type=jnp.float32))
-            dw_v = dw_v + jnp.dot(hb[i].T, dz, preferred_element_type=jnp.float32)
+            dw_v = dw_v + jnp.dot(h_t.T, dz, preferred_element_type=jnp.float32)
             return dh, dw_v
 
         dw_v0 = tiles.match_vma(jnp.zeros((D, bv), jnp.float32), hidden, weight)
         dh, dw_v = lax.fori_loop(0, nt, token_step, (dh, dw_v0))
         start = cols[0, 0]
-        old = lax.dynamic_slice_in_dim(dw, start, bv, axis=1)
-        dw = lax.dynamic_update_slice_in_dim(
-            dw, jnp.where(cols >= first, dw_v.astype(dw.dtype), old), start, axis=1
-        )
+        old = from_buf(lax.dynamic_slice_in_dim(dw, start, bv, axis=1))
+        tile = to_buf(jnp.where(cols >= first, dw_v.astype(weight.dtype), old))
+        dw = lax.dynamic_update_slice_in_dim(dw, tile, start, axis=1)
         return dh, dw
 
-    init = tiles.match_vma((jnp.zeros((nt, bt, D), jnp.float32), jnp.zeros_like(weight)), hidden, weight)
+    init = tiles.match_vma((jnp.zeros((nt, bt, D), jnp.float32), to_buf(jnp.zeros_like(weight))), hidden, weight)
     dh, dw = lax.fori_loop(0, nv, vocab_step, init)
+    dw = from_buf(dw)
     dh = dh.reshape(tp, D)[:T].astype(hidden.dtype)
     return tiles.match_cotangent(dh, hidden), tiles.match_cotangent(dw, weight), None
 
