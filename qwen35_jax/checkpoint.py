@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.hf.export import staged_dir
+from qwen35_jax.hf.export import is_lead_process, staged_dir, sync_processes
 from qwen35_jax.hf.load import CONFIG_FILE, abstract_model, default_shardings, load_hf
 from qwen35_jax.hf.names import Layout
 
@@ -67,9 +67,11 @@ def save_checkpoint(path: str, params: Any, config: Qwen35Config, *, layout: Lay
         with _checkpointer(params) as ckptr:
             ckptr.save(target, args=ocp.args.Composite(params=ocp.args.PyTreeSave(params),
                                                        meta=ocp.args.JsonSave(meta)))
-        for name in os.listdir(target):
-            os.rename(os.path.join(target, name), os.path.join(tmp, name))
-        os.rmdir(target)
+        sync_processes("qwen35_checkpoint_saved")
+        if is_lead_process():
+            for name in os.listdir(target):
+                os.rename(os.path.join(target, name), os.path.join(tmp, name))
+            os.rmdir(target)
 
 
 def is_checkpoint(path: str) -> bool:

@@ -38,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest shard file (default 5GB)")
     p.add_argument("--extra-from", default=None, metavar="HF_DIR",
                    help="copy vision/MTP tensors and tokenizer files from this HF checkpoint")
+    p.add_argument("--mesh", default=None,
+                   help="device mesh 'fsdp=F,sp=S' to restore onto (default: all devices on fsdp)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="dtype of the written tensors (default: each tensor's dtype in the source)")
     args = p.parse_args(argv)
@@ -47,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     from qwen35_jax.checkpoint import load_checkpoint
     from qwen35_jax.hf.export import check_new_output, export_hf
     from qwen35_jax.hf.names import Layout
+    from qwen35_jax.parallel.mesh import init_distributed, make_mesh
 
     try:
+        init_distributed()
+        mesh = make_mesh(args.mesh)
         check_new_output(args.out_dir)  # fail before the (long) load, not after
-        model, config, meta = load_checkpoint(args.ckpt_dir)
+        model, config, meta = load_checkpoint(args.ckpt_dir, mesh=mesh)
         layout = Layout.from_dict(meta["layout"]) if meta.get("layout") else None
         files = export_hf(nnx.state(model, nnx.Param), config, args.out_dir, layout=layout,
                           hf_config=meta.get("hf_config"), dtype=args.dtype, max_shard_bytes=args.max_shard_size,

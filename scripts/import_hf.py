@@ -7,6 +7,8 @@ HF_DIR holds config.json and model.safetensors, or shards with model.safetensors
 Qwen3_5(Moe)ForCausalLM or Qwen3_5(Moe)ForConditionalGeneration layout. The whole checkpoint is
 checked (every tensor's presence, shape and dtype, no extra tensors) before anything is written;
 vision-tower and MTP tensors are skipped. OUT_DIR must not exist; it appears only when complete.
+Parameters are loaded ZeRO-3 sharded over the mesh; under jax.distributed (several processes, see
+qwen35_jax.parallel.mesh.init_distributed) the mesh spans all of them and process 0 writes the files.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir", help="new directory for the qwen35_jax checkpoint")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
                    help="parameter dtype (default: the checkpoint's own; float32 when it mixes dtypes)")
-    p.add_argument("--mesh", default=None, help="device mesh 'fsdp=F,sp=S' to load onto (default: one device)")
+    p.add_argument("--mesh", default=None,
+                   help="device mesh 'fsdp=F,sp=S' to load onto (default: all devices on fsdp)")
     args = p.parse_args(argv)
 
     from qwen35_jax.checkpoint import save_checkpoint
@@ -33,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         init_distributed()
-        mesh = make_mesh(args.mesh) if args.mesh else None
+        mesh = make_mesh(args.mesh)
         check_new_output(args.out_dir)  # fail before the (long) load, not after
         model, config, ckpt = load_hf(args.hf_dir, dtype=args.dtype, mesh=mesh, progress=True)
         save_checkpoint(args.out_dir, model, config, layout=ckpt.layout, hf_config=ckpt.raw_config,

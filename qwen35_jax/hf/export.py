@@ -4,7 +4,8 @@ Names, expert storage (fused or per expert), tying and every tensor's dtype foll
 recorded at import, so import then export gives back each text-model tensor bit for bit. Tensors are
 produced and written one at a time (one layer's slice of a stacked parameter on the host at most),
 into shards of at most `max_shard_bytes` with `model.safetensors.index.json` when there are several.
-The directory appears under its final name only when complete.
+The directory appears under its final name only when complete. Under jax.distributed every process
+runs the export (gathering sharded parameters is collective) and process 0 writes the files.
 """
 
 from __future__ import annotations
@@ -41,20 +42,47 @@ def check_new_output(out_dir: str) -> str:
     return out_dir
 
 
+def is_lead_process() -> bool:
+    """Under jax.distributed only process 0 writes files (all processes see the same file system)."""
+    return jax.process_index() == 0
+
+
+def sync_processes(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _shared_token() -> str:
+    token = np.frombuffer(uuid.uuid4().bytes[:4], np.uint32).astype(np.int64)
+    if jax.process_count() > 1:  # every process must name the same temporary directory
+        from jax.experimental import multihost_utils
+
+        token = multihost_utils.broadcast_one_to_all(token)
+    return f"{int(np.asarray(token)[0]):08x}"
+
+
 @contextlib.contextmanager
 def staged_dir(out_dir: str) -> Iterator[str]:
     """A temporary sibling of `out_dir`, renamed to it on success and removed on any failure."""
     out_dir = check_new_output(out_dir)
     parent = os.path.dirname(out_dir)
-    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial-{uuid.uuid4().hex[:8]}")
+    tmp = os.path.join(parent, f".{os.path.basename(out_dir)}.partial-{_shared_token()}")
+    lead = is_lead_process()
     try:
-        os.mkdir(tmp)
+        if lead:
+            os.mkdir(tmp)
+        sync_processes("qwen35_staged_dir_created")
         yield tmp
-        if os.path.lexists(out_dir):
-            raise ValueError(f"{out_dir}: output path appeared while writing")
-        os.rename(tmp, out_dir)
+        sync_processes("qwen35_staged_dir_written")
+        if lead:
+            if os.path.lexists(out_dir):
+                raise ValueError(f"{out_dir}: output path appeared while writing")
+            os.rename(tmp, out_dir)
+        sync_processes("qwen35_staged_dir_renamed")
     finally:
-        if os.path.lexists(tmp):
+        if lead and os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
@@ -71,7 +99,12 @@ def _param_tensors(params: Mapping[str, Any], config: Qwen35Config, layout: N.La
         if key not in cache:
             cache.clear()  # one layer slice on the host at a time
             x = flat[entry.path]
-            host = np.asarray(jax.device_get(x[b] if entry.stacked else x))
+            x = x[b] if entry.stacked else x
+            if isinstance(x, jax.Array) and not x.is_fully_addressable:  # collective: every process
+                from jax.experimental import multihost_utils
+
+                x = multihost_utils.process_allgather(x, tiled=True)
+            host = np.asarray(jax.device_get(x))
             cache[key] = N.to_hf(entry.kind, host)
         return cache[key]
 
@@ -148,11 +181,13 @@ def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, 
             from tqdm import tqdm
 
             bar = stack.enter_context(tqdm(total=len(tensors), desc="writing", unit="tensor"))
-        written = write_checkpoint(tmp, tensors, max_shard_bytes=max_shard_bytes,
+        lead = is_lead_process()
+        written = write_checkpoint(tmp, tensors, max_shard_bytes=max_shard_bytes, write_files=lead,
                                    on_written=None if bar is None else lambda _: bar.update(1))
-        with open(os.path.join(tmp, "config.json"), "w") as f:
-            json.dump(dict(hf_config) if hf_config is not None else config.to_hf_dict(), f, indent=2)
-            f.write("\n")
-        for fname in extra_files:
-            shutil.copy2(os.path.join(extra_from, fname), os.path.join(tmp, fname))
+        if lead:
+            with open(os.path.join(tmp, "config.json"), "w") as f:
+                json.dump(dict(hf_config) if hf_config is not None else config.to_hf_dict(), f, indent=2)
+                f.write("\n")
+            for fname in extra_files:
+                shutil.copy2(os.path.join(extra_from, fname), os.path.join(tmp, fname))
     return written + ["config.json"] + extra_files

@@ -196,6 +196,14 @@ def _update_fn(sharding: jax.sharding.Sharding) -> Callable[..., jax.Array]:
                    donate_argnums=0, out_shardings=sharding)
 
 
+def _place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Host array -> device array with `sharding`; under jax.distributed every process passes the
+    same host value and keeps the shards of its own devices."""
+    if sharding.is_fully_addressable:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
 def _load_entry(files: SafetensorsCheckpoint, entry: N.Entry, dtype: np.dtype,
                 sharding: jax.sharding.Sharding) -> jax.Array:
     def host(slot: tuple[str, ...]) -> np.ndarray:
@@ -203,11 +211,11 @@ def _load_entry(files: SafetensorsCheckpoint, entry: N.Entry, dtype: np.dtype,
         return np.ascontiguousarray(arr, dtype=dtype)
 
     if not entry.stacked:
-        return jax.device_put(host(entry.hf_names[0]), sharding)
+        return _place(host(entry.hf_names[0]), sharding)
     out = _zeros_fn(entry.shape, dtype, sharding)()
     slice_sharding, update = _slice_sharding(sharding), _update_fn(sharding)
     for b, slot in enumerate(entry.hf_names):
-        out = update(out, jax.device_put(host(slot), slice_sharding), np.int32(b))
+        out = update(out, _place(host(slot), slice_sharding), np.int32(b))
     return out
 
 

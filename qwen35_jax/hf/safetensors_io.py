@@ -12,6 +12,7 @@ host memory.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -185,18 +186,20 @@ def plan_shards(tensors: list[TensorToWrite], max_shard_bytes: int) -> list[list
 
 
 def write_checkpoint(directory: str, tensors: list[TensorToWrite], *, max_shard_bytes: int = MAX_SHARD_BYTES,
-                     on_written: Callable[[TensorToWrite], None] | None = None) -> list[str]:
+                     on_written: Callable[[TensorToWrite], None] | None = None, write_files: bool = True) -> list[str]:
     """Write `tensors` into `directory` (which must exist) as HF does; returns the files written.
 
     One shard -> `model.safetensors`; more -> `model-0000i-of-0000n.safetensors` plus the index.
+    `write_files=False` produces every tensor in the same order but writes nothing (the other
+    processes of a multi-process export, whose `produce` calls take part in collectives).
     """
     shards = plan_shards(tensors, max_shard_bytes)
     n = len(shards)
     names = [SINGLE_FILE] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     for fname, shard in zip(names, shards):
-        _write_file(os.path.join(directory, fname), shard, on_written)
+        _write_file(os.path.join(directory, fname), shard, on_written, write_files)
     written = list(names)
-    if n > 1:
+    if n > 1 and write_files:
         index = {
             "metadata": {"total_size": sum(t.nbytes for t in tensors)},
             "weight_map": {t.name: fname for fname, shard in zip(names, shards) for t in shard},
@@ -208,7 +211,7 @@ def write_checkpoint(directory: str, tensors: list[TensorToWrite], *, max_shard_
     return written
 
 
-def _write_file(path: str, tensors: list[TensorToWrite], on_written: Callable | None) -> None:
+def _write_file(path: str, tensors: list[TensorToWrite], on_written: Callable | None, write: bool = True) -> None:
     header: dict[str, object] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for t in tensors:
@@ -216,14 +219,16 @@ def _write_file(path: str, tensors: list[TensorToWrite], on_written: Callable | 
         offset += t.nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned, as the format recommends
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
+    with open(path, "wb") if write else contextlib.nullcontext() as f:
+        if f is not None:
+            f.write(struct.pack("<Q", len(blob)))
+            f.write(blob)
         for t in tensors:
             arr = np.ascontiguousarray(t.produce())
             if arr.shape != t.shape or arr.dtype != DTYPE_TO_NP[t.dtype]:
                 raise ValueError(f"{path}: tensor {t.name} produced {arr.dtype}{list(arr.shape)}, "
                                  f"header says {t.dtype}{list(t.shape)}")
-            f.write(arr.reshape(-1).view(np.uint8))
+            if f is not None:
+                f.write(arr.reshape(-1).view(np.uint8))
             if on_written is not None:
                 on_written(t)
