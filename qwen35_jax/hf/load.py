@@ -114,8 +114,9 @@ def inspect_hf(directory: str) -> HFCheckpoint:
                     if info.dtype == "F32":
                         overrides[name] = info.dtype
                     else:
+                        also = " or F32" if expected_dtype != "F32" else ""
                         problems.append(f"{info.file}: tensor {name} has dtype {info.dtype}, expected "
-                                        f"{expected_dtype} (config.json dtype) or F32")
+                                        f"{expected_dtype} (the checkpoint's dtype){also}")
     for name in text:
         if name not in expected:
             problems.append(f"{tensors[name].file}: unexpected tensor {name} (not part of a "
