@@ -82,6 +82,44 @@ def test_layouts_detected(hf):
     assert inspect_hf(hf["conditional-float32"]).layout.architecture == "Qwen3_5ForConditionalGeneration"
 
 
+def test_conditional_tied_at_top_level(hf, tmp_path):
+    """transformers ties a ConditionalGeneration model by its top-level flag, whatever text_config says."""
+    import shutil
+
+    from hf_testutil import edit_config
+
+    src = shutil.copytree(hf["conditional-float32"], str(tmp_path / "tied"))
+    edit_tensors(src, lambda t: {k: v for k, v in t.items() if k != "lm_head.weight"})
+    edit_config(src, tie_word_embeddings=True)
+    with open(os.path.join(src, "config.json")) as f:
+        assert json.load(f)["text_config"]["tie_word_embeddings"] is False
+    ck = inspect_hf(src)
+    assert ck.layout.tied and ck.config.tie_word_embeddings
+    assert all_tensors(roundtrip(src, str(tmp_path))) == text_tensors(src)
+
+
+def test_coverage_check_names_the_parameter():
+    from qwen35_jax.hf.load import check_coverage
+
+    config = Qwen35Config.preset("tiny")
+    table = N.build_table(config, N.Layout.default(config))
+    abstract = {}
+    for e in table:
+        node = abstract
+        *parents, leaf = e.path.split(".")
+        for p in parents:
+            node = node.setdefault(int(p) if p.isdigit() else p, {})
+        node[leaf] = jax.ShapeDtypeStruct(e.shape, jnp.float32)
+    check_coverage(table, abstract)
+    abstract["blocks"]["layers"][0]["extra_scale"] = jax.ShapeDtypeStruct((1, 4), jnp.float32)
+    with pytest.raises(ValueError, match=r"blocks\.layers\.0\.extra_scale .* no Hugging Face tensor"):
+        check_coverage(table, abstract)
+    del abstract["blocks"]["layers"][0]["extra_scale"]
+    del abstract["norm"]
+    with pytest.raises(ValueError, match=r"model\.norm\.weight maps to norm\.weight, which the model does not have"):
+        check_coverage(table, abstract)
+
+
 @pytest.mark.parametrize("name", ["dense-float32", "moe_fused-float32"])
 def test_logits_match_transformers(hf, name):
     """The name table puts every tensor where the model reads it (8 layers = 2 scanned blocks)."""
