@@ -8,6 +8,8 @@ vocabulary are masked to NEG (finite, so NEG - m never overflows to -inf and 0 *
 
 from __future__ import annotations
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 
@@ -85,7 +87,11 @@ def match_vma(tree, *like: jax.Array):
 
     def cast(x):
         missing = tuple(sorted(want - varying_axes(x)))
-        return jax.lax.pcast(x, missing, to="varying") if missing else x
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pcast"):
+            return jax.lax.pcast(x, missing, to="varying")
+        return jax.lax.pvary(x, missing)  # the older name
 
     return jax.tree.map(cast, tree) if want else tree
 
@@ -103,11 +109,15 @@ def varying_axes(*xs: jax.Array) -> frozenset:
 
 
 def out_struct(shape: tuple[int, ...], dtype, *like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A pallas_call output type that varies over the same manual mesh axes as `like`."""
+    """A pallas_call output type that varies over the same manual mesh axes as `like`
+    (`manual_axis_type=` in jax 0.10, `vma=` in versions that name it so)."""
     axes = varying_axes(*like)
-    if hasattr(jax.sharding, "ManualAxisType"):
+    params = inspect.signature(jax.ShapeDtypeStruct).parameters
+    if "manual_axis_type" in params and hasattr(jax.sharding, "ManualAxisType"):
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=axes))
-    return jax.ShapeDtypeStruct(shape, dtype, **({"vma": axes} if axes else {}))
+    if "vma" in params and axes:
+        return jax.ShapeDtypeStruct(shape, dtype, vma=axes)
+    return jax.ShapeDtypeStruct(shape, dtype)
 
 
 def match_cotangent(ct: jax.Array, primal: jax.Array) -> jax.Array:
