@@ -273,6 +273,10 @@ def test_kind_transforms_are_inverse(kind, shape):
     hf = N.to_hf(kind, ours)
     assert [t.shape for t in hf] == N.hf_shapes(kind, shape)
     np.testing.assert_array_equal(N.to_ours(kind, [np.ascontiguousarray(t) for t in hf]), ours)
+    by_name = {f"t{i}": np.ascontiguousarray(t) for i, t in enumerate(hf)}
+    streamed = N.read_ours(kind, list(by_name), by_name.__getitem__, shape, np.dtype(np.float32))
+    assert streamed.flags.c_contiguous
+    np.testing.assert_array_equal(streamed, ours)
 
 
 def test_per_expert_gate_up_order():

@@ -208,8 +208,7 @@ def _place(host: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
 def _load_entry(files: SafetensorsCheckpoint, entry: N.Entry, dtype: np.dtype,
                 sharding: jax.sharding.Sharding) -> jax.Array:
     def host(slot: tuple[str, ...]) -> np.ndarray:
-        arr = N.to_ours(entry.kind, [files.read(n) for n in slot])
-        return np.ascontiguousarray(arr, dtype=dtype)
+        return N.read_ours(entry.kind, slot, files.read, entry.layer_shape, dtype)
 
     if not entry.stacked:
         return _place(host(entry.hf_names[0]), sharding)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import enum
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +79,25 @@ def to_ours(kind: Kind, tensors: list[np.ndarray]) -> np.ndarray:
     if kind is Kind.EXPERTS_DOWN:
         return np.stack([t.T for t in tensors])  # [E, I, D]
     raise AssertionError(kind)
+
+
+def read_ours(kind: Kind, names: Sequence[str], read: Callable[[str], np.ndarray], shape: tuple[int, ...],
+              dtype: np.dtype) -> np.ndarray:
+    """`to_ours` reading the HF tensors one at a time: per-expert tensors go straight into the output,
+    so host memory holds the result plus one expert's tensor, not every expert twice."""
+    if kind is Kind.EXPERTS_GATE_UP:
+        e, _, i2 = shape
+        out = np.empty(shape, dtype)  # [E, D, 2I]
+        for k in range(e):
+            out[k, :, : i2 // 2] = read(names[k]).T
+            out[k, :, i2 // 2:] = read(names[e + k]).T
+        return out
+    if kind is Kind.EXPERTS_DOWN:
+        out = np.empty(shape, dtype)  # [E, I, D]
+        for k in range(shape[0]):
+            out[k] = read(names[k]).T
+        return out
+    return np.ascontiguousarray(to_ours(kind, [read(n) for n in names]), dtype=dtype)
 
 
 def to_hf(kind: Kind, ours: np.ndarray) -> list[np.ndarray]:
