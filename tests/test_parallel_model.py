@@ -118,7 +118,7 @@ def test_layouts_match_single_device(layout, moe, kv_heads, b, s):
     assert got[0].shape == (b, s, HIDDEN) and got[1].shape == (b, s)
     assert_close(got[0], want[0], what="hidden")
     assert_close(got[1], want[1], what="log-probs")
-    assert float(jnp.abs(want[1]).sum()) > 0  # something was scored
+    assert s == 1 or float(jnp.abs(want[1]).sum()) > 0  # something was scored (S = 1 has no labels)
     flat_got = jax.tree_util.tree_leaves_with_path(got_grads)
     flat_want = dict(jax.tree_util.tree_leaves_with_path(want_grads))
     assert len(flat_got) == len(flat_want)
