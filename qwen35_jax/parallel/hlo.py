@@ -30,8 +30,19 @@ class Collective:
     op_name: str  # the JAX source scope from the metadata ("" when absent)
 
     @property
+    def elements(self) -> int:
+        """Elements of the result arrays: what one device receives (all-to-all, all-gather)."""
+        total = 0
+        for _, dims in self.shapes:
+            n = 1
+            for d in dims:
+                n *= d
+            total += n
+        return total
+
+    @property
     def bytes(self) -> int:
-        """Bytes of the result arrays: what one device receives (all-to-all, all-gather)."""
+        """Bytes of the result arrays, in the dtype the compiled HLO uses (XLA:CPU widens bf16 to f32)."""
         total = 0
         for dtype, dims in self.shapes:
             n = 1
