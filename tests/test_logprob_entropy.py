@@ -288,3 +288,15 @@ def test_reference_stats_contract():
     valid = np.asarray(labels) >= 0
     np.testing.assert_allclose(zl[valid], z[np.arange(10)[valid], np.asarray(labels)[valid]], rtol=1e-5)
     assert np.all(np.asarray(zl)[~valid] == 0)
+
+
+def test_api_pallas_backend_interprets_on_cpu():
+    # backend="pallas" through the public API: this platform's default blocks, interpreted on CPU.
+    h, w, labels, g_lp, g_ent = _problem(7, 21, 40, 150)
+    lp, ent, dh, dw = _value_and_grads(
+        functools.partial(qk.linear_logprob_entropy, backend="pallas"), h, w, labels, 1.0, g_lp, g_ent
+    )
+    r_lp, r_ent, r_dh, r_dw = np_logprob_entropy(h, w, labels, 1.0, g_lp, g_ent)
+    np.testing.assert_allclose(lp, r_lp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, r_ent, rtol=1e-5, atol=1e-5)
+    assert _rel(dh, r_dh) < 1e-4 and _rel(dw, r_dw) < 1e-4
