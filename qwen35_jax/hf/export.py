@@ -149,8 +149,9 @@ def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, 
 
     `layout` defaults to what transformers writes for `config`; `hf_config` (the source config.json)
     defaults to `config.to_hf_dict()`. `dtype` ("float32", "bfloat16", "float16") writes every text
-    tensor in that dtype instead of the source's, and says so in config.json. `extra_from`: an HF checkpoint whose non-text tensors (vision
-    tower, MTP head) and side files (tokenizer, generation config) are copied over unchanged.
+    tensor in that dtype instead of the source's, and says so in config.json.
+    `extra_from`: an HF checkpoint whose non-text tensors (vision tower, MTP head) and side files
+    (tokenizer, generation config) are copied over unchanged.
     Returns the file names written.
     """
     if isinstance(params, nnx.State):

@@ -176,11 +176,14 @@ class Entry:
         return self.shape[1:] if self.stacked else self.shape
 
 
-def _layer_rows(config: Qwen35Config, kind: str, experts: str) -> list[tuple[str, str | list[str], Kind, tuple[int, ...]]]:
+Row = tuple[str, str | list[str], Kind, tuple[int, ...]]  # our suffix, HF suffix(es), kind, our shape
+
+
+def _layer_rows(config: Qwen35Config, kind: str, experts: str) -> list[Row]:
     """(our suffix, HF suffix or suffixes, kind, our per-layer shape) for one decoder layer."""
     c = config
     d = c.hidden_size
-    rows: list[tuple[str, Any, Kind, tuple[int, ...]]] = [
+    rows: list[Row] = [
         ("input_layernorm.weight", "input_layernorm.weight", Kind.COPY, (d,)),
         ("post_attention_layernorm.weight", "post_attention_layernorm.weight", Kind.COPY, (d,)),
     ]
@@ -220,9 +223,9 @@ def _layer_rows(config: Qwen35Config, kind: str, experts: str) -> list[tuple[str
         rows += [("mlp.experts.gate_up_proj", "mlp.experts.gate_up_proj", Kind.EXPERTS_FUSED, (e, d, 2 * i)),
                  ("mlp.experts.down_proj", "mlp.experts.down_proj", Kind.EXPERTS_FUSED, (e, i, d))]
     elif experts == "per_expert":
-        gate_up = [f"mlp.experts.{x}.gate_proj.weight" for x in range(e)] + [f"mlp.experts.{x}.up_proj.weight" for x in range(e)]
-        rows += [("mlp.experts.gate_up_proj", gate_up, Kind.EXPERTS_GATE_UP, (e, d, 2 * i)),
-                 ("mlp.experts.down_proj", [f"mlp.experts.{x}.down_proj.weight" for x in range(e)], Kind.EXPERTS_DOWN, (e, i, d))]
+        per = lambda p: [f"mlp.experts.{x}.{p}.weight" for x in range(e)]  # noqa: E731
+        rows += [("mlp.experts.gate_up_proj", per("gate_proj") + per("up_proj"), Kind.EXPERTS_GATE_UP, (e, d, 2 * i)),
+                 ("mlp.experts.down_proj", per("down_proj"), Kind.EXPERTS_DOWN, (e, i, d))]
     else:
         raise ValueError(f"an MoE config needs experts layout 'fused' or 'per_expert', got {experts!r}")
     rows += [(f"mlp.shared_expert.{p}.kernel", f"mlp.shared_expert.{p}.weight", Kind.LINEAR, shape)

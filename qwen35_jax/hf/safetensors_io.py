@@ -145,7 +145,8 @@ def _read_header(path: str) -> list[TensorInfo]:
     except SafetensorError as e:
         msg = str(e)
         if "incomplete metadata" in msg or "not fully covered" in msg:
-            raise ValueError(f"{path}: truncated or corrupt: the data is shorter than its header says ({msg})") from None
+            raise ValueError(f"{path}: truncated or corrupt: the data is shorter than its header says "
+                             f"({msg})") from None
         raise ValueError(f"{path}: corrupt safetensors header ({msg})") from None
     except OSError as e:
         raise ValueError(f"{path}: cannot open: {e}") from None
