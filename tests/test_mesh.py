@@ -71,8 +71,8 @@ def test_param_spec_rule():
     assert param_spec((4096, 63, 511), 8, skip_dims=1) == P()
 
 
-def test_shard_model_places_params():
-    mesh = make_mesh("fsdp=2,sp=4")
+def test_shard_model_places_params(mesh_2x4):
+    mesh = mesh_2x4
 
     class Tiny(nnx.Module):
         def __init__(self, rngs):
@@ -87,8 +87,8 @@ def test_shard_model_places_params():
     assert shardings["big"]["bias"].get_value().spec == P()
 
 
-def test_activation_constraint_is_real_on_cpu():
-    mesh = make_mesh("fsdp=2,sp=4")
+def test_activation_constraint_is_real_on_cpu(mesh_2x4):
+    mesh = mesh_2x4
     x = jnp.ones((4, 16, 8))
     with jax.set_mesh(mesh):
         y = jax.jit(lambda x: jax.lax.with_sharding_constraint(x * 2, ACT_BSD))(x)

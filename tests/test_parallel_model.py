@@ -147,7 +147,7 @@ def test_packed_documents_equal_documents_alone(layout):
         assert_close(together[:, lo:hi], alone[d], what=f"document {d}")
 
 
-@pytest.mark.parametrize("moe", [False, True])
+@pytest.mark.parametrize("moe", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_hlo_all_to_all_per_layer_and_no_sequence_gather(moe):
     b, s, layout = 2, 40, "fsdp=2,sp=4"  # 40: no weight has a dim of that size
     graphdef, state = model_parts(moe, 2)

@@ -101,9 +101,9 @@ def test_ulysses_without_mesh_is_the_plain_call():
     assert "shard_map" not in jaxpr
 
 
-def test_ulysses_attention_hlo_has_all_to_all():
+def test_ulysses_attention_hlo_has_all_to_all(mesh_2x4):
     q, k, v, seg, _ = _attention_inputs(b=2, s=16, h=8, k=2, dh=8)
-    with jax.set_mesh(make_mesh("fsdp=2,sp=4")):
+    with jax.set_mesh(mesh_2x4):
         fn = jax.jit(lambda *a: ulysses_attention(attention_core, *a))
         hlo = fn.lower(q, k, v, seg).compile().as_text()
     ops = collectives(hlo)
