@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -300,3 +301,37 @@ def test_api_pallas_backend_interprets_on_cpu():
     np.testing.assert_allclose(lp, r_lp, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ent, r_ent, rtol=1e-5, atol=1e-5)
     assert _rel(dh, r_dh) < 1e-4 and _rel(dw, r_dw) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "layout, platform, kernels",
+    [
+        ("gpu", "cuda", {"_gpu_fwd_kernel", "_gpu_bwd_kernel"}),
+        ("tpu", "tpu", {"_tpu_fwd_kernel", "_tpu_dh_kernel", "_tpu_dw_kernel"}),
+    ],
+)
+@pytest.mark.parametrize("shape", [(1000, 512, 5003), (8192, 4096, 248320)], ids=["ragged", "qwen"])
+def test_pallas_lowers_for_gpu_and_tpu(layout, platform, kernels, shape):
+    # Cross-platform lowering on this CPU machine: Pallas -> Triton IR ("cuda") and -> Mosaic ("tpu"),
+    # forward and backward kernels. Compiling that IR to device code needs the device itself.
+    T, D, V = shape
+    blk = pallas.make_blocks(layout, interpret=False)
+
+    def step(h, w, labels, g):
+        def objective(h, w):
+            lse, ent, zl = pallas.token_stats(h, w, labels, 1.0, blocks=blk)
+            lp = api.log_probs_from_stats(lse, zl, labels)
+            return jnp.sum(g[0] * lp) + jnp.sum(g[1] * ent)
+
+        return jax.value_and_grad(objective, (0, 1))(h, w)
+
+    args = (
+        jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
+        jax.ShapeDtypeStruct((D, V), jnp.bfloat16),
+        jax.ShapeDtypeStruct((T,), jnp.int32),
+        jax.ShapeDtypeStruct((2, T), jnp.float32),
+    )
+    text = jax.jit(step).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+    target = "__gpu$xla.gpu.triton" if platform == "cuda" else "tpu_custom_call"
+    assert f"custom_call @{target}" in text
+    assert kernels <= set(re.findall(r'name = "(\w+)"', text)), kernels
