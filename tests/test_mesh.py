@@ -10,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen35_jax.parallel.mesh import (
     ACT_BSD,
+    create_sharded,
     make_mesh,
     param_spec,
     parse_mesh,
@@ -71,20 +72,28 @@ def test_param_spec_rule():
     assert param_spec((4096, 63, 511), 8, skip_dims=1) == P()
 
 
+class Tiny(nnx.Module):
+    def __init__(self, rngs):
+        self.big = nnx.Linear(64, 512, rngs=rngs)  # kernel [64, 512]: 32768 elements
+        self.small = nnx.Linear(8, 8, rngs=rngs)
+
+
 def test_shard_model_places_params(mesh_2x4):
     mesh = mesh_2x4
-
-    class Tiny(nnx.Module):
-        def __init__(self, rngs):
-            self.big = nnx.Linear(64, 512, rngs=rngs)  # kernel [64, 512]: 32768 elements
-            self.small = nnx.Linear(8, 8, rngs=rngs)
-
     model = shard_model(Tiny(nnx.Rngs(0)), mesh)
     assert model.big.kernel[...].sharding.spec == P(None, ("fsdp", "sp"))
     assert model.big.kernel[...].addressable_shards[0].data.shape == (64, 64)
     assert model.small.kernel[...].sharding.spec == P()
     shardings = state_shardings(nnx.state(model), mesh)
     assert shardings["big"]["bias"].get_value().spec == P()
+
+
+def test_create_sharded_builds_in_place(mesh_2x4):
+    model = create_sharded(lambda: Tiny(nnx.Rngs(0)), mesh_2x4)
+    plain = Tiny(nnx.Rngs(0))
+    assert model.big.kernel[...].sharding.spec == P(None, ("fsdp", "sp"))
+    np.testing.assert_array_equal(model.big.kernel[...], plain.big.kernel[...])
+    np.testing.assert_array_equal(model.small.bias[...], plain.small.bias[...])
 
 
 def test_activation_constraint_is_real_on_cpu(mesh_2x4):
