@@ -73,3 +73,20 @@ def test_imports_side_by_side_with_transformers(tmp_path):
     assert info["logits_shape"] == [1, 5, 64]
     if not info["kernels_locations"]:
         assert info["hub_kernels_available"] is False
+
+
+def test_transformers_does_not_take_our_folder_for_the_hub_kernels_package():
+    # Under `python -m pytest` from the repo root, the folder `kernels/` is importable as a namespace
+    # package; transformers must still see no Hugging Face `kernels` distribution unless one is installed.
+    import importlib.util
+    from importlib import metadata
+
+    from transformers.utils import import_utils
+
+    try:
+        metadata.version("kernels")
+    except metadata.PackageNotFoundError:
+        assert import_utils.is_kernels_available() is False
+    else:
+        spec = importlib.util.find_spec("kernels")
+        assert spec is not None and spec.origin and KERNELS not in pathlib.Path(spec.origin).resolve().parents
