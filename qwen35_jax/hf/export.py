@@ -25,7 +25,7 @@ from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.hf import names as N
-from qwen35_jax.hf.safetensors_io import (DTYPE_TO_NP, INDEX_FILE, MAX_SHARD_BYTES, SINGLE_FILE,
+from qwen35_jax.hf.safetensors_io import (DTYPE_TO_NP, FLOAT_NAMES, INDEX_FILE, MAX_SHARD_BYTES, SINGLE_FILE,
                                           SafetensorsCheckpoint, TensorToWrite, write_checkpoint)
 
 _WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
@@ -159,9 +159,9 @@ def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, 
     check_new_output(out_dir)
     layout = layout or N.Layout.default(config)
     if dtype is not None:
-        if dtype not in N.FLOAT_TO_ST:
-            raise ValueError(f"dtype must be one of {sorted(N.FLOAT_TO_ST)}, got {dtype!r}")
-        layout = dataclasses.replace(layout, dtype=N.FLOAT_TO_ST[dtype], dtype_overrides={})
+        if dtype not in FLOAT_NAMES:
+            raise ValueError(f"dtype must be one of {sorted(FLOAT_NAMES)}, got {dtype!r}")
+        layout = dataclasses.replace(layout, dtype=FLOAT_NAMES[dtype], dtype_overrides={})
         hf_config = _with_dtype(hf_config if hf_config is not None else config.to_hf_dict(), dtype)
     if layout.tied != config.tie_word_embeddings:
         raise ValueError(f"layout says tied={layout.tied} but config.tie_word_embeddings={config.tie_word_embeddings}")

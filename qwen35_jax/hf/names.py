@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.hf.safetensors_io import FLOAT_NAMES
 
 CAUSAL_PREFIX = "model."  # Qwen3_5(Moe)ForCausalLM
 CONDITIONAL_PREFIX = "model.language_model."  # Qwen3_5(Moe)ForConditionalGeneration
@@ -154,10 +155,7 @@ class Layout:
         return cls(architecture=_ARCHITECTURES[(config.is_moe, conditional)],
                    prefix=CONDITIONAL_PREFIX if conditional else CAUSAL_PREFIX,
                    experts="per_expert" if config.is_moe else "none", tied=config.tie_word_embeddings,
-                   dtype=dtype or FLOAT_TO_ST[config.param_dtype])
-
-
-FLOAT_TO_ST = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"}
+                   dtype=dtype or FLOAT_NAMES[config.param_dtype])
 
 
 @dataclass(frozen=True)
