@@ -225,3 +225,16 @@ def test_bad_mesh(base, tmp_path, capsys):
     msg = one_line(capsys.readouterr().err)
     assert rc != 0 and "fsdp=3" in msg and "valid layouts" in msg
     assert_nothing_written(str(tmp_path / "out"))
+
+
+def test_export_rejects_params_that_do_not_match_the_config(base, tmp_path):
+    model, config, ckpt = load_hf(base)
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    params["blocks"]["layers"][0]["extra_scale"] = np.zeros((1, 3), np.float32)
+    with pytest.raises(ValueError, match=r"blocks\.layers\.0\.extra_scale"):
+        export_hf(params, config, str(tmp_path / "out"), layout=ckpt.layout)
+    del params["blocks"]["layers"][0]["extra_scale"]
+    params["norm"]["weight"] = np.zeros((7,), np.float32)
+    with pytest.raises(ValueError, match=r"norm\.weight has shape \[7\]"):
+        export_hf(params, config, str(tmp_path / "out"), layout=ckpt.layout)
+    assert_nothing_written(str(tmp_path / "out"))

@@ -25,6 +25,7 @@ from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.hf import names as N
+from qwen35_jax.hf.load import check_coverage, param_paths
 from qwen35_jax.hf.safetensors_io import (DTYPE_TO_NP, FLOAT_NAMES, INDEX_FILE, MAX_SHARD_BYTES, SINGLE_FILE,
                                           SafetensorsCheckpoint, TensorToWrite, write_checkpoint)
 
@@ -88,10 +89,9 @@ def staged_dir(out_dir: str) -> Iterator[str]:
 
 def _param_tensors(params: Mapping[str, Any], config: Qwen35Config, layout: N.Layout) -> list[TensorToWrite]:
     """Every text-model HF tensor, ordered layer by layer, each produced lazily from `params`."""
-    from qwen35_jax.hf.load import param_paths
-
     flat = param_paths(params)
     table = N.build_table(config, layout)
+    check_coverage(table, params)  # every parameter written, each with the shape the table expects
     cache: dict[tuple[str, int], list[np.ndarray]] = {}
 
     def slot_arrays(entry: N.Entry, b: int) -> list[np.ndarray]:
@@ -111,11 +111,6 @@ def _param_tensors(params: Mapping[str, Any], config: Qwen35Config, layout: N.La
     ordered: list[tuple[tuple[int, int, int, int, int], TensorToWrite]] = []
     period = config.block_period
     for idx, entry in enumerate(table):
-        if entry.path not in flat:
-            raise ValueError(f"parameter {entry.path} (for {entry.hf_names[0][0]}) is missing from the model")
-        if tuple(flat[entry.path].shape) != entry.shape:
-            raise ValueError(f"parameter {entry.path} has shape {list(flat[entry.path].shape)}, "
-                             f"expected {list(entry.shape)}")
         for b, slot in enumerate(entry.hf_names):
             # embedding first, then layer by layer, then final norm and lm_head
             group, layer = (1, b * period + int(entry.path.split(".")[2])) if entry.stacked else \
