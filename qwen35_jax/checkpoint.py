@@ -39,8 +39,12 @@ def _checkpointer(arrays: Any = None) -> ocp.Checkpointer:
     Uncompressed: compressing (random-looking) weights gains nothing, and the compressor's buffers
     held a second copy of the whole model in host memory while saving (docs/benchmarks.md).
     """
-    largest = max((math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
-                   for a in jax.tree.leaves(arrays)), default=0)
+    def shard_bytes(a: Any) -> int:
+        sharding = getattr(a, "sharding", None)
+        shape = sharding.shard_shape(a.shape) if sharding is not None else a.shape
+        return math.prod(shape) * jnp.dtype(a.dtype).itemsize
+
+    largest = max((shard_bytes(a) for a in jax.tree.leaves(arrays)), default=0)
     gb = max(HOST_GB_IN_FLIGHT, math.ceil(largest / 1e9))
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
         params=ocp.PyTreeCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb, use_compression=False),
