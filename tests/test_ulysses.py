@@ -174,3 +174,67 @@ def test_ulysses_gdn_value_heads_error():
         ValueError, match=r"value heads = 6 is not divisible by sp = 4; valid sp values: \[1, 2, 3, 6\]"
     ):
         ulysses_gdn(gdn_core, *args, seg, eps=1e-6, chunk_size=4)
+
+
+def _boundary_segments(b, s, sp):
+    """Row 0: a document starting exactly at a shard start, padding at a shard end followed by a new
+    document at the next shard start; other rows: random packing (see `_attention_inputs`)."""
+    _, _, _, seg, _ = _attention_inputs(b, s, 1, 1, 1, seed=4)
+    seg = np.array(seg)
+    L = s // sp
+    row = np.ones(s, np.int32)
+    row[L:] = 2
+    row[2 * L - 3: 2 * L] = 0
+    row[2 * L:] = 3
+    row[3 * L + 2:] = 4
+    seg[0] = row
+    return jnp.asarray(seg)
+
+
+@pytest.mark.parametrize("layout, key_heads", [("fsdp=2,sp=4", 2), pytest.param("fsdp=1,sp=8", 1, marks=pytest.mark.slow)])
+def test_gdn_state_passing_matches(layout, key_heads):
+    from qwen35_jax.layers.gated_deltanet import gdn_core
+    from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
+
+    sp = int(layout.split("sp=")[1])
+    args, _, w = _gdn_inputs(b=2, s=32, hk=key_heads, hv=4, d=8, kc=4)
+    seg = _boundary_segments(2, 32, sp)
+    static = dict(eps=1e-6, chunk_size=4)
+
+    def plain(*a):
+        return gdn_core(*a, seg, **static)
+
+    def sharded(*a):
+        with gdn_sp_mode("state_passing"):
+            return ulysses_gdn(gdn_core, *a, seg, **static)
+
+    def loss(args, fn):
+        return jnp.sum(fn(*args) * w)
+
+    want = plain(*args)
+    want_grads = jax.grad(loss)(args, plain)
+    with jax.set_mesh(make_mesh(layout)):
+        fn = jax.jit(sharded)
+        got = fn(*args)
+        hlo = fn.lower(*args).compile().as_text()
+        got_grads = jax.jit(jax.grad(loss), static_argnums=1)(args, sharded)
+    assert_close(got, want)
+    for g, gw in zip(got_grads, want_grads):
+        assert_close(g, gw)
+    ops = collectives(hlo)
+    assert not [c for c in ops if c.op == "all-to-all"]  # states and halos only
+    assert all(32 not in dims for c in ops for _, dims in c.shapes)  # nothing sequence-long moves
+
+
+def test_gdn_state_passing_needs_a_halo_sized_shard():
+    from qwen35_jax.layers.gated_deltanet import gdn_core
+    from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
+
+    args, seg, _ = _gdn_inputs(b=2, s=16, hk=2, hv=4, d=4, kc=4)
+    with jax.set_mesh(make_mesh("fsdp=1,sp=8")), gdn_sp_mode("state_passing"), pytest.raises(
+        ValueError, match="needs >= 3 tokens per shard"
+    ):
+        ulysses_gdn(gdn_core, *args, seg, eps=1e-6, chunk_size=4)
+    with pytest.raises(ValueError, match="not one of"):
+        with gdn_sp_mode("ring"):
+            pass

@@ -1,0 +1,157 @@
+"""Gated DeltaNet sequence-parallel by passing recurrent states between sequence shards.
+
+The alternative to the all-to-all of `ulysses_gdn`: every device keeps its sequence shard with all
+heads, and only per-shard states cross devices, so the traffic does not grow with S.
+
+Why it is exact: within a shard the state update is affine in the state the shard starts from,
+S_t = M_t S_0 + C_t (M_t [Dk, Dk] per head: the decays and (I - beta k k^T) factors; zero after a
+document start), so o_t = S_t^T q_t = o_t|S_0=0 + S_0^T (M_t^T q_t). One chunked delta-rule pass
+with S_0 = 0 gives o|S_0=0 and C; a second pass with S_0 = I and v = 0 gives M_t^T q_t and M (it is
+the same recurrence with Dk-wide "values"). Every device all-gathers the (M, C) of all shards, folds
+them in shard order into its own S_0, and adds S_0^T (M_t^T q_t).
+
+The depthwise causal conv1d needs the Kc - 1 raw tokens before the shard: a one-way `ppermute`
+halo from the previous device (with their segment ids, so the window still stops at document
+starts). Shards must hold at least Kc - 1 tokens.
+
+Traffic per device and layer: halo 3 * (Kc - 1) tokens + all-gather of sp * B * Hv * Dk * (Dk + Dv)
+float32, independent of S. Compute: one extra delta-rule pass of width Dk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from qwen35_jax.parallel.mesh import FSDP, SP, mesh_axis_size
+
+GDN_STATE_SCOPE = "gdn_state_passing"
+GDN_MODES = ("all_to_all", "state_passing")
+
+_mode: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_sp_mode", default="all_to_all")
+
+
+@contextlib.contextmanager
+def gdn_sp_mode(mode: str) -> Iterator[None]:
+    """Choose how GDN layers traced inside the block run under sp: "all_to_all" (default) or
+    "state_passing"."""
+    if mode not in GDN_MODES:
+        raise ValueError(f"GDN sequence-parallel mode {mode!r} is not one of {GDN_MODES}")
+    token = _mode.set(mode)
+    try:
+        yield
+    finally:
+        _mode.reset(token)
+
+
+def current_gdn_mode() -> str:
+    return _mode.get()
+
+
+def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:  # [..., d] float32
+    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def _shifted_in(x: jax.Array, sp: int) -> jax.Array:
+    """Device r receives device r - 1's `x`; device 0 receives zeros (inside shard_map)."""
+    return jax.lax.ppermute(x, SP, [(r, r + 1) for r in range(sp - 1)])
+
+
+def _local_gdn(
+    q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids, *, eps, chunk_size, sp
+):  # per device: [B, L, Hk, Dk] ... [B, L] -> [B, L, Hv, Dv]
+    from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, document_index
+    from qwen35_jax.layers.gated_deltanet import causal_conv1d_silu
+    from qwen35_jax.layers.norms import gated_rms_norm
+
+    B, L, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    Kc = conv_q.shape[0]
+    dtype = q.dtype
+    r = jax.lax.axis_index(SP)
+    valid = segment_ids != 0
+    keep = valid[..., None, None]
+    q, k, v = (jnp.where(keep, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
+
+    # conv1d with a halo of Kc - 1 raw tokens from the previous shard (padding ids on device 0)
+    h = Kc - 1
+    halo_seg = jnp.where(r == 0, 0, _shifted_in(segment_ids[:, L - h:], sp))  # [B, h]
+    seg_ext = jnp.concatenate([halo_seg, segment_ids], axis=1)  # [B, h + L]
+    _, doc = document_index(seg_ext, B, h + L)
+
+    def conv(x, w):  # [B, L, H, d] -> [B, L, H, d]
+        ext = jnp.concatenate([_shifted_in(x[:, L - h:], sp), x], axis=1)
+        return causal_conv1d_silu(ext, w, doc)[:, h:]
+
+    q, k, v = conv(q, conv_q), conv(k, conv_k), conv(v, conv_v)
+    q = _l2norm(q.astype(jnp.float32)) * Dk**-0.5
+    k = _l2norm(k.astype(jnp.float32))
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+
+    rule = dict(segment_ids=segment_ids, chunk_size=chunk_size)
+    out0, c_end = chunked_gated_delta_rule(q, k, v, g, beta, **rule)  # [B, L, Hv, Dv], [B, Hv, Dk, Dv]
+    eye = jnp.broadcast_to(jnp.eye(Dk, dtype=jnp.float32), (B, Hv, Dk, Dk))
+    mq, m_end = chunked_gated_delta_rule(q, k, jnp.zeros((B, L, Hv, Dk), jnp.float32), g, beta,
+                                         initial_state=eye, **rule)  # [B, L, Hv, Dk], [B, Hv, Dk, Dk]
+
+    # a document starting at a shard's first token drops the state handed in
+    prev_last = jnp.where(r == 0, 0, _shifted_in(segment_ids[:, L - 1], sp))  # [B]
+    first = segment_ids[:, 0]
+    reset = ((first != prev_last) & (first != 0)) | (r == 0)  # [B]
+    all_m = jax.lax.all_gather(m_end, SP)  # [sp, B, Hv, Dk, Dk]
+    all_c = jax.lax.all_gather(c_end, SP)  # [sp, B, Hv, Dk, Dv]
+    all_reset = jax.lax.all_gather(reset, SP)  # [sp, B]
+    state = jnp.zeros((B, Hv, Dk, Dv), jnp.float32)  # state entering shard j, folded in order
+    start = state
+    for j in range(sp):
+        state = jnp.where(all_reset[j][:, None, None, None], 0.0, state)
+        start = jnp.where(r == j, state, start)
+        state = jnp.einsum("bhkm,bhmv->bhkv", all_m[j], state, precision=jax.lax.Precision.HIGHEST) + all_c[j]
+    out = out0 + jnp.einsum("bshk,bhkv->bshv", mq, start, precision=jax.lax.Precision.HIGHEST)
+    return gated_rms_norm(out.astype(dtype), z, norm_weight, eps)  # [B, L, Hv, Dv]
+
+
+def gdn_state_passing(
+    q: jax.Array,  # [B, S/sp, Hk, Dk]
+    k: jax.Array,  # [B, S/sp, Hk, Dk]
+    v: jax.Array,  # [B, S/sp, Hv, Dv]
+    z: jax.Array,  # [B, S/sp, Hv, Dv]
+    b: jax.Array,  # [B, S/sp, Hv]
+    a: jax.Array,  # [B, S/sp, Hv]
+    conv_q: jax.Array,  # [Kc, Hk, Dk]
+    conv_k: jax.Array,  # [Kc, Hk, Dk]
+    conv_v: jax.Array,  # [Kc, Hv, Dv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_weight: jax.Array,  # [Dv]
+    segment_ids: jax.Array,  # [B, S/sp]
+    *,
+    mesh: jax.sharding.AbstractMesh,
+    eps: float,
+    chunk_size: int,
+) -> jax.Array:  # [B, S/sp, Hv, Dv]
+    """The gated DeltaNet mixer on sequence shards with state passing (see the module docstring)."""
+    sp = mesh_axis_size(mesh, SP)
+    bsz, s = q.shape[:2]
+    kc = conv_q.shape[0]
+    if s % sp:
+        raise ValueError(f"sequence length {s} is not divisible by sp = {sp}; pad it (the model does)")
+    if s // sp < kc - 1:
+        raise ValueError(f"GDN state passing needs >= {kc - 1} tokens per shard (conv halo), got {s // sp}; "
+                         "use the all_to_all mode or a smaller sp")
+    batch = FSDP if bsz % mesh_axis_size(mesh, FSDP) == 0 else None
+    seq4, seq3, seq2 = P(batch, SP, None, None), P(batch, SP, None), P(batch, SP)
+    in_specs = (seq4, seq4, seq4, seq4, seq3, seq3, P(), P(), P(), P(), P(), P(), seq2)
+
+    def local(*args):
+        return _local_gdn(*args, eps=eps, chunk_size=chunk_size, sp=sp)
+
+    with jax.named_scope(GDN_STATE_SCOPE):
+        return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq4, check_vma=False)(
+            q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids)
