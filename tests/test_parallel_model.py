@@ -17,6 +17,7 @@ from flax import nnx
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.labels import next_token_labels
 from qwen35_jax.model import Qwen35ForCausalLM
+from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
 from qwen35_jax.parallel.hlo import collectives
 from qwen35_jax.parallel.local import TOKEN_LOCAL_SCOPE
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings
@@ -114,6 +115,21 @@ def test_layouts_match_single_device(layout, moe, kv_heads, b, s):
             (_, got), got_grads = loss_fn(graphdef)(state, *batch(b, s))
     else:
         got, got_grads = run_on_mesh(layout, moe, kv_heads, b, s)
+    assert_matches_reference(got, got_grads, moe, kv_heads, b, s)
+
+
+@pytest.mark.slow
+def test_gdn_state_passing_model_matches():
+    with gdn_sp_mode("state_passing"):
+        got, got_grads = run_on_mesh("fsdp=2,sp=4", False, 2, 2, 61)
+        graphdef, state = model_parts(False, 2)
+        with jax.set_mesh(make_mesh("fsdp=2,sp=4")):
+            jaxpr = str(jax.make_jaxpr(lambda st, t: nnx.merge(graphdef, st)(t))(state, batch(2, 61)[0]))
+    assert "ppermute" in jaxpr and jaxpr.count("all_to_all") == 4  # GDN by states, attention by Ulysses
+    assert_matches_reference(got, got_grads, False, 2, 2, 61)
+
+
+def assert_matches_reference(got, got_grads, moe, kv_heads, b, s):
     want, want_grads = reference(moe, kv_heads, b, s)
     assert got[0].shape == (b, s, HIDDEN) and got[1].shape == (b, s)
     assert_close(got[0], want[0], what="hidden")
