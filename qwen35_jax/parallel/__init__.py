@@ -1,10 +1,14 @@
-"""fsdp x sp parallelism: the mesh and its shardings, Ulysses sequence parallelism, internal padding."""
+"""fsdp x sp parallelism: the mesh and its shardings, Ulysses sequence parallelism (or GDN state
+passing), token-local modules per device, internal padding."""
 
+from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
+from qwen35_jax.parallel.local import token_local
 from qwen35_jax.parallel.mesh import (
     ACT_BSD,
     FSDP,
     SP,
     TOKENS_BS,
+    constrain,
     create_sharded,
     init_distributed,
     make_mesh,
@@ -22,7 +26,9 @@ __all__ = [
     "FSDP",
     "SP",
     "TOKENS_BS",
+    "constrain",
     "create_sharded",
+    "gdn_sp_mode",
     "init_distributed",
     "make_mesh",
     "pad_inputs",
@@ -31,6 +37,7 @@ __all__ = [
     "shard_model",
     "state_shardings",
     "strip",
+    "token_local",
     "ulysses_attention",
     "ulysses_gdn",
     "valid_layouts",
