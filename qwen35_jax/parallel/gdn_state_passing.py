@@ -63,13 +63,30 @@ def _shifted_in(x: jax.Array, sp: int) -> jax.Array:
 
 
 def _local_gdn(
-    q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids, *, eps, chunk_size, sp
-):  # per device: [B, L, Hk, Dk] ... [B, L] -> [B, L, Hv, Dv]
+    q: jax.Array,  # [B, L, Hk, Dk], L = S/sp: this device's shard
+    k: jax.Array,  # [B, L, Hk, Dk]
+    v: jax.Array,  # [B, L, Hv, Dv]
+    z: jax.Array,  # [B, L, Hv, Dv]
+    b: jax.Array,  # [B, L, Hv]
+    a: jax.Array,  # [B, L, Hv]
+    conv_q: jax.Array,  # [Kc, Hk, Dk]
+    conv_k: jax.Array,  # [Kc, Hk, Dk]
+    conv_v: jax.Array,  # [Kc, Hv, Dv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_weight: jax.Array,  # [Dv]
+    segment_ids: jax.Array,  # [B, L]
+    *,
+    eps: float,
+    chunk_size: int,
+    sp: int,
+) -> jax.Array:  # [B, L, Hv, Dv]
+    # imported here: layers/gated_deltanet.py imports this package (through ulysses.py)
     from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, document_index
     from qwen35_jax.layers.gated_deltanet import causal_conv1d_silu
     from qwen35_jax.layers.norms import gated_rms_norm
 
-    B, L, Hk, Dk = q.shape
+    B, L, _, Dk = q.shape
     Hv, Dv = v.shape[2:]
     Kc = conv_q.shape[0]
     dtype = q.dtype

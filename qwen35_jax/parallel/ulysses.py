@@ -9,7 +9,8 @@ Grouped heads (GQA kv heads, GDN key heads) that do not split evenly over sp are
 all-to-all so that every device receives exactly the shared heads its own heads read.
 
 The wrappers read the context mesh (`jax.set_mesh(mesh)`); with no mesh, or sp == 1, they call the
-mixer directly, so single-device code is unchanged.
+mixer directly, so single-device code is unchanged. GDN layers can pass states between sequence
+shards instead (`gdn_state_passing.gdn_sp_mode("state_passing")`).
 """
 
 from __future__ import annotations
@@ -32,10 +33,9 @@ ATTENTION_SCOPE = "ulysses_attention"
 GDN_SCOPE = "ulysses_gdn"
 
 
-def valid_sp(n_heads: int, max_sp: int | None = None) -> list[int]:
-    """The sp sizes that divide `n_heads` (up to `max_sp`)."""
-    top = n_heads if max_sp is None else min(n_heads, max_sp)
-    return [s for s in range(1, top + 1) if n_heads % s == 0]
+def valid_sp(n_heads: int) -> list[int]:
+    """The sp sizes that divide `n_heads`."""
+    return [s for s in range(1, n_heads + 1) if n_heads % s == 0]
 
 
 def check_heads(n_heads: int, sp: int, what: str) -> None:
