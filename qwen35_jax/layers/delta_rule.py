@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from qwen35_jax.layers.triangular import unit_lower_solve
+
 _HI = jax.lax.Precision.HIGHEST
 
 
@@ -152,9 +154,8 @@ def chunked_gated_delta_rule(
     v_beta = v * beta[..., None]
     # Unit lower-triangular system (I + A) with A = strict_tril(k_beta k^T * decay).
     A = jnp.einsum("...id,...jd->...ij", k_beta, k, precision=_HI) * decay
-    A = jnp.where(jnp.tril(jnp.ones((L, L), bool), -1), A, 0.0) + jnp.eye(L, dtype=A.dtype)
     rhs = jnp.concatenate([v_beta, k_beta * (jnp.exp(cum) * reads_state)[..., None]], axis=-1)
-    sol = jax.lax.linalg.triangular_solve(A, rhs, left_side=True, lower=True, unit_diagonal=True)
+    sol = unit_lower_solve(A, rhs)  # uses only the strict lower triangle of A
     u, w = sol[..., :Dv], sol[..., Dv:]  # u [B, n, H, L, Dv]: new values; w [.., Dk]: decayed keys reading S
 
     intra = jnp.einsum("...id,...jd->...ij", q, k, precision=_HI) * decay  # [B, n, H, L, L]
