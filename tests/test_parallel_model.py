@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.labels import next_token_labels
@@ -20,7 +21,7 @@ from qwen35_jax.model import Qwen35ForCausalLM
 from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
 from qwen35_jax.parallel.hlo import collectives
 from qwen35_jax.parallel.local import TOKEN_LOCAL_SCOPE
-from qwen35_jax.parallel.mesh import make_mesh, state_shardings
+from qwen35_jax.parallel.mesh import ACT_BSD, make_mesh, state_shardings
 from qwen35_jax.parallel.ulysses import ATTENTION_SCOPE, GDN_SCOPE
 
 HIDDEN = 48  # a size no other axis has, so [.., S, D] gathers are recognisable in the HLO
@@ -196,3 +197,13 @@ def test_hlo_all_to_all_per_layer_and_no_sequence_gather(moe):
                 assert c.op == "all-gather" and dtype in ("s32", "pred") and dims[1:] == (s,), c
     if moe:
         assert any(TOKEN_LOCAL_SCOPE in c.op_name for c in ops)  # the expert weights gathered per device
+
+
+def test_hidden_states_come_out_sequence_sharded(mesh_2x4):
+    graphdef, state = model_parts(False, 2)
+    tokens, seg = batch(2, 16)
+    with jax.set_mesh(mesh_2x4):
+        sharded = jax.device_put(state, state_shardings(state, mesh_2x4))
+        hidden = jax.jit(lambda st, t, sg: nnx.merge(graphdef, st)(t, segment_ids=sg))(sharded, tokens, seg)
+    assert hidden.sharding.is_equivalent_to(NamedSharding(mesh_2x4, ACT_BSD), 3)
+    assert hidden.addressable_shards[0].data.shape == (1, 4, HIDDEN)
