@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.attention_kernels import KERNELS, check_attention_inputs, resolve_implementation
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import apply_rope
 from qwen35_jax.parallel.ulysses import ulysses_attention
@@ -30,15 +31,21 @@ def _attend_block(qg: jax.Array, k: jax.Array, v: jax.Array, q_idx: jax.Array, q
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                   block_q: int = 1024) -> jax.Array:
+                   block_q: int = 1024, implementation: str | None = None) -> jax.Array:
     """Causal softmax attention that never crosses documents; softmax in float32.
 
     q: [B, S, H, Dh] (normed, rotated), k/v: [B, S, K, Dh] with H % K == 0, segment_ids: [B, S]
     -> [B, S, H, Dh]. Scale 1/sqrt(Dh). Query head h reads kv head h // (H // K).
+    `implementation` (None: the `attention_implementation` context, default "auto") picks a flash
+    kernel on GPU/TPU (`attention_kernels.py`); the XLA code below runs on CPU and is the reference.
     Sequences longer than `block_q` run block by block of queries (each row's softmax still sees every
     key, so the result is the same), rematerialised in the backward pass: peak memory
     O(block_q * S) per head instead of O(S^2).
     """
+    check_attention_inputs(q, k, v, segment_ids)
+    name = resolve_implementation(implementation)
+    if name != "xla":
+        return KERNELS[name](q, k, v, segment_ids)
     b, s, h, dh = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, s, kh, h // kh, dh)  # [B, S, K, G, Dh]
