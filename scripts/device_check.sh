@@ -12,7 +12,10 @@
 #   2. speed at T = 8192, D = 4096, V = 248,320 (bf16): a plain [T, D] x [D, V] matmul, then pallas and
 #      xla forward+backward, as rates of 8 T D V FLOPs (forward 2, backward recompute 2 + dh 2 + dW 2),
 #      with compile-time scratch memory;
-#   3. a sweep of Triton block sizes, while time is left.
+#   3. attention (qwen35_jax/layers/attention_kernels.py): the Pallas Triton flash kernel with document
+#      masks against the XLA core at S = 4096, 8 query / 2 kv heads, Dh = 256, bf16 (errors against a
+#      float32 reference, forward and forward+backward time, scratch memory, a few block sizes);
+#   4. a sweep of Triton block sizes of the log-prob kernel, while time is left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./device_check_out}"
@@ -151,6 +154,81 @@ def _():
 @stage("xla_fwd_bwd")
 def _():
     return fused("xla", lambda h, w, l: xla.token_stats(h, w, l))
+
+
+@stage("attention")
+def _():
+    # Flash attention with document masks (qwen35_jax/layers/attention_kernels.py, Pallas Triton)
+    # against the XLA core, bf16, packed documents, GQA. The kernels module imports only jax; it is
+    # loaded by path so this stage runs without the model's other dependencies.
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("attention_kernels", "qwen35_jax/layers/attention_kernels.py")
+    ak = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ak)
+    try:
+        from qwen35_jax.layers.attention import attention_core
+        xla_core, xla_name = (lambda q, k, v, s: attention_core(q, k, v, s, implementation="xla")), "attention_core"
+    except ImportError as e:  # no flax here: a plain float32 masked softmax (the same semantics)
+        xla_name = f"inline reference ({e})"
+
+        def xla_core(q, k, v, s):
+            g = q.shape[2] // k.shape[2]
+            k, v = jnp.repeat(k, g, 2), jnp.repeat(v, g, 2)
+            logits = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * q.shape[-1] ** -0.5
+            n = q.shape[1]
+            mask = (jnp.arange(n)[:, None] >= jnp.arange(n)[None, :]) & (s[:, :, None] == s[:, None, :])[:, None]
+            p = jax.nn.softmax(jnp.where(mask, logits, jnp.finfo(jnp.float32).min), axis=-1).astype(v.dtype)
+            return jnp.einsum("bhqk,bkhd->bqhd", p, v)
+
+    B, S, H, K, Dh = (1, 300, 4, 2, 64) if SMOKE else (1, 4096, 8, 2, 256)  # 0.8B attention shapes
+    key = jax.random.split(jax.random.key(1), 4)
+    q32, k32, v32 = (jax.random.normal(kk, (B, S, n, Dh), jnp.float32) for kk, n in zip(key, (H, K, K)))
+    cut = np.sort(np.random.default_rng(0).integers(1, S, size=3))
+    seg = jnp.asarray((1 + (np.arange(S) >= cut[0]) + (np.arange(S) >= cut[1])) * (np.arange(S) < cut[2]),
+                      jnp.int32)[None].repeat(B, 0)  # 3 documents, padding (0) after cut[2]
+    gout = jax.random.normal(key[3], (B, S, H, Dh), jnp.float32)
+    q, k, v = (x.astype(jnp.bfloat16) for x in (q32, k32, v32))
+    out = {"S": S, "H": H, "K": K, "Dh": Dh, "xla_impl": xla_name, "segment_cuts": cut.tolist()}
+
+    def step(fn):
+        def loss(q, k, v):
+            o = fn(q, k, v, seg)
+            return jnp.sum(o.astype(jnp.float32) * gout), o
+        return jax.jit(jax.value_and_grad(loss, (0, 1, 2), has_aux=True))
+
+    with jax.default_matmul_precision("highest"):  # float32 reference from the same bf16 inputs
+        (_, want), want_g = step(xla_core)(*(x.astype(jnp.float32) for x in (q, k, v)))
+    fns = {"pallas": lambda q, k, v, s: ak.gpu_flash_attention(q, k, v, s), "xla": xla_core}
+    for name, fn in fns.items():
+        f = step(fn)
+        (_, o), grads = f(q, k, v)
+        r = {"out_abs_err": float(jnp.max(jnp.abs(o.astype(jnp.float32) - want)))}
+        for n_, g_, w_ in zip("qkv", grads, want_g):
+            r[f"d{n_}_rel_err"] = rel(g_.astype(jnp.float32), w_)
+        r["scratch_MiB"] = f.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes / 2**20
+        r["fwd_s"] = timeit(jax.jit(lambda q, k, v: fn(q, k, v, seg)), q, k, v)
+        r["fwd_bwd_s"] = timeit(f, q, k, v, n=3)
+        out[name] = r
+        save()
+    p, x = out["pallas"], out["xla"]
+    # the kernel keeps scores in float32 (the XLA core rounds them to bf16 first): no worse than XLA
+    out["ok"] = bool(p["out_abs_err"] <= max(2 * x["out_abs_err"], 2e-2)
+                     and all(p[f"d{n_}_rel_err"] <= max(2 * x[f"d{n_}_rel_err"], 5e-2) for n_ in "qkv"))
+    sweep = []
+    for bq, bk, bb in [] if SMOKE else [(128, 128, 32), (128, 64, 32), (64, 64, 64), (64, 32, 32)]:
+        if time.perf_counter() - START > BUDGET_S:
+            sweep.append({"stopped": "time budget"})
+            break
+        fn = lambda q, k, v, s, bq=bq, bk=bk, bb=bb: ak.gpu_flash_attention(q, k, v, s, block_q=bq, block_k=bk,
+                                                                             block_bwd=bb)
+        try:
+            sweep.append({"blocks": [bq, bk, bb], "fwd_bwd_s": timeit(step(fn), q, k, v, n=3)})
+        except Exception as e:
+            sweep.append({"blocks": [bq, bk, bb], "error": f"{type(e).__name__}: {e}"[:300]})
+        out["block_sweep"] = sweep
+        save()
+    return out
 
 
 @stage("sweep")

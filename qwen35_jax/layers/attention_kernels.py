@@ -107,25 +107,30 @@ def _pad_to_blocks(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
 
 
 def gpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                        block_q: int = 128, block_k: int = 128, block_bwd: int = 32,
+                        block_q: int | None = None, block_k: int | None = None, block_bwd: int = 32,
                         num_warps: int | None = None, num_stages: int = 2,
                         interpret: bool | None = None) -> jax.Array:
     """Causal document-masked flash attention with the Pallas Triton kernel (fused Triton backward).
 
     q: [B, S, H, Dh], k/v: [B, S, K, Dh], segment_ids: [B, S] -> [B, S, H, Dh].
     Block sizes are powers of two (Triton tiles); S is padded to a multiple of the largest one that
-    is needed (at least 16, the smallest Triton dot). interpret=None: interpret unless on a GPU.
-    On a GPU, float32 inputs go through TF32 tensor-core dots (bfloat16 inputs are exact products).
+    is needed (at least 16, the smallest Triton dot). Forward blocks default to 128 for Dh <= 128 and
+    64 above (a 128 x 256 bf16 tile is 64 KiB of shared memory; with two pipeline stages of k and v
+    128-row tiles would not fit). interpret=None: interpret unless on a GPU.
+    On a GPU, float32 inputs go through TF32 tensor-core dots unless jax_default_matmul_precision is
+    "highest" (bfloat16 inputs: bf16 products, float32 accumulation).
     """
     from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
     check_attention_inputs(q, k, v, segment_ids)
+    b, s, h, dh = q.shape
+    default = 128 if dh <= 128 else 64
+    block_q, block_k = block_q or default, block_k or default
     for name, blk in (("block_q", block_q), ("block_k", block_k), ("block_bwd", block_bwd)):
         if not (_is_pow2(blk) and blk >= 16):
             raise ValueError(f"{name} must be a power of two >= 16, got {blk}")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    b, s, h, dh = q.shape
     tile = min(max(block_q, block_k, block_bwd), max(16, 1 << (s - 1).bit_length()))
     qp, kp, vp, seg = _pad_to_blocks(q, k, v, segment_ids, tile)
     bwd = min(block_bwd, tile)
