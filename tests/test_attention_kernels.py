@@ -180,3 +180,40 @@ def test_kernels_lower_for_their_platform(platform, fn, target, kernels):
     assert set(re.findall(r'name = "(\w+)"', text)) == kernels
     # no [S, S] array anywhere in the program
     assert "4000x4000" not in text and "4096x4096" not in text
+
+
+# ------------------------------------------------------------------------------------ model
+
+
+@pytest.mark.slow
+def test_model_with_pallas_kernel_equals_xla():
+    # the whole model (nnx.scan over layers, remat) with the GPU kernel interpreted in its attention layer
+    from flax import nnx
+
+    from qwen35_jax.config import Qwen35Config
+    from qwen35_jax.model import Qwen35ForCausalLM
+
+    config = Qwen35Config.preset(
+        "tiny", vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        partial_rotary_factor=0.5, mrope_section=(2, 1, 1), linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=8, linear_value_head_dim=8, gdn_chunk_size=8, intermediate_size=64)
+    graphdef, state = nnx.split(Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)))
+    tokens = jax.random.randint(jax.random.key(4), (2, 21), 0, 128)
+    seg = jnp.asarray([[1] * 9 + [2] * 10 + [0] * 2, [5] * 21], jnp.int32)
+
+    def run(implementation):
+        def loss(state):
+            hidden = nnx.merge(graphdef, state)(tokens, segment_ids=seg)  # [B, S, D]
+            return jnp.sum(jnp.sin(hidden)), hidden
+
+        with ak.attention_implementation(implementation):
+            kernel_used = "pallas_call" in str(jax.make_jaxpr(loss)(state))
+            assert kernel_used == (implementation == "pallas"), implementation
+            return jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+
+    (_, want), want_grads = run("xla")
+    (_, got), got_grads = run("pallas")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    for (path, g), gw in zip(jax.tree.leaves_with_path(got_grads), jax.tree.leaves(want_grads)):
+        err = float(jnp.max(jnp.abs(g - gw)) / jnp.maximum(jnp.max(jnp.abs(gw)), 1e-30))
+        assert err < 1e-4, (jax.tree_util.keystr(path), err)
