@@ -8,8 +8,9 @@ masked. Scale 1/sqrt(Dh), softmax in float32, query head h reads kv head h // (H
 Kernels (flash: online softmax over key blocks, no [S, S] scores in memory, forward or backward):
   - "pallas_gpu": the Pallas Triton kernel `jax.experimental.pallas.ops.gpu.attention.mha`. It
     takes one segment-id row per sequence and masks q_seg == kv_seg inside every tile, so packed
-    documents are exact. (cuDNN through `jax.nn.dot_product_attention` only masks by per-sequence
-    lengths, i.e. padding, not packing, so it is not used.)
+    documents are exact. (cuDNN through `jax.nn.dot_product_attention` is not used: it takes
+    documents only as a dense [S, S] mask or bias; its per-sequence lengths cover padding, not
+    packing.)
   - "pallas_tpu": `jax.experimental.pallas.ops.tpu.flash_attention` with `SegmentIds`.
 Both need the sequence in whole blocks and equal q/kv head counts: kv heads are repeated up to the
 query heads (the gradient of the repeat sums them back) and S is padded at the end with segment -1;
@@ -54,6 +55,7 @@ def current_implementation() -> str:
 
 
 def check_implementation(name: str) -> None:
+    """One-line ValueError unless `name` is one of IMPLEMENTATIONS."""
     if name not in IMPLEMENTATIONS:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {name!r}")
 
