@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device check of the fused log-prob/entropy Pallas kernel on one GPU (written for a lent H200).
+# Device check of the Pallas kernels (fused log-prob/entropy, flash attention) on one GPU (written for a lent H200).
 #
 #   OUT=/path/to/results bash scripts/device_check.sh      # on the GPU machine, repo root, < 8 minutes
 #   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/dc bash scripts/device_check.sh   # any machine: tiny
