@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Device check of the Pallas kernels (fused log-prob/entropy, flash attention) on one GPU (written for a lent H200).
+# Device check of the Pallas kernels (fused log-prob/entropy, flash attention) on one GPU (written for an H200).
 #
 #   OUT=/path/to/results bash scripts/device_check.sh      # on the GPU machine, repo root, < 8 minutes
 #   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/dc bash scripts/device_check.sh   # any machine: tiny
 #                                                          shapes, interpreted kernels
 #
-# Installs nothing. Needs python3 with a CUDA jax (0.11 on the lent machines). Stages, each saved to
+# Installs nothing. Needs python3 with a CUDA jax (0.11 or newer). Stages, each saved to
 # $OUT/device_check.json as soon as it ends, so a timeout keeps what finished:
 #   1. correctness: the pallas backend compiled for the GPU ("gpu" layout, Triton) against xla, float32
 #      and bfloat16, ragged T and V, values and gradients;
