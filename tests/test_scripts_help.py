@@ -1,0 +1,16 @@
+"""Every command-line tool answers --help with a usage line and exit status 0."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_help(script):
+    result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-1000:]
+    assert result.stdout.startswith("usage:"), result.stdout[:200]
