@@ -41,6 +41,7 @@ def packed_data(rng, rows=4, seq=16):
 
 LR, STEPS, TEMPERATURE = 3e-3, 10, 0.7
 SCHEDULE = make_schedule(LR, STEPS, warmup_steps=1)
+TX = make_optimizer(SCHEDULE, weight_decay=0.01)  # one object: the optimizer's graph keys the jit cache
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def setup(base_model, layout):
     model = nnx.clone(base_model)
     nnx.update(model, jax.tree.map(jnp.copy, nnx.state(model)))  # the step donates: own buffers
     model = shard_model(model, mesh)
-    optimizer = create_optimizer(model, make_optimizer(SCHEDULE, weight_decay=0.01), mesh)
+    optimizer = create_optimizer(model, TX, mesh)
     return mesh, model, optimizer
 
 
