@@ -200,3 +200,29 @@ def test_script_bad_batch_size_is_one_line_and_writes_nothing(tmp_path):
     assert result.returncode != 0
     assert result.stderr.strip().count("\n") == 0 and "batch size 3" in result.stderr
     assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_npy_dir_is_read_checked_and_padded_to_the_mesh(tmp_path):
+    from qwen35_jax.train import load_npy_dir
+
+    rng = np.random.default_rng(5)
+    np.save(tmp_path / "tokens.npy", rng.integers(0, 64, size=(4, 13)))
+    np.save(tmp_path / "advantages.npy", np.ones((4, 13), np.float32))
+    np.save(tmp_path / "old_log_probs.npy", np.full((4, 13), -1.0, np.float32))
+    data = load_npy_dir(str(tmp_path))
+    assert sorted(data) == ["advantages", "old_log_probs", "tokens"]
+    batch = BatchSource(data, 4, make_mesh("fsdp=2,sp=4"), vocab_size=64, objective="ppo").host_batch(1)
+    assert batch["tokens"].shape == (4, 16)  # S padded to a multiple of sp, as padding segment 0
+    assert (batch["segment_ids"][:, 13:] == 0).all() and (batch["segment_ids"][:, :13] == 1).all()
+    np.testing.assert_array_equal(batch["tokens"][:, :13], data["tokens"])  # rows 4..7 wrap to 0..3
+    assert (batch["advantages"][:, 13:] == 0).all()
+
+    np.save(tmp_path / "loss_mask.npy", np.ones((4, 12), np.int32))
+    with pytest.raises(ValueError, match=r"loss_mask has shape \(4, 12\), tokens have \(4, 13\)"):
+        load_npy_dir(str(tmp_path))
+    np.save(tmp_path / "loss_mask.npy", np.full((4, 13), 2, np.int32))
+    with pytest.raises(ValueError, match="loss_mask must hold only 0 and 1"):
+        load_npy_dir(str(tmp_path))
+    (tmp_path / "tokens.npy").unlink()
+    with pytest.raises(ValueError, match="no tokens.npy"):
+        load_npy_dir(str(tmp_path))
