@@ -6,14 +6,12 @@ same tiny model, shard it over one fsdp=2 x sp=4 mesh spanning both processes, a
 the gathered log-probs; the test compares them with the same model on this process's 8 devices.
 """
 
-import os
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from distributed_testutil import run_processes
 
 LAYOUT = "fsdp=2,sp=4"
 B, S = 2, 29  # S padded to 32 inside the model
@@ -91,36 +89,13 @@ def worker(workdir: Path) -> None:
     jax.distributed.shutdown()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_equal_one(tmp_path):
     import jax
 
     from qwen35_jax.parallel.mesh import make_mesh, shard_model
 
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}", JAX_NUM_PROCESSES="2")
-    procs = [
-        subprocess.Popen([sys.executable, __file__, str(tmp_path)], env={**env, "JAX_PROCESS_ID": str(i)},
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for i in range(2)
-    ]
-    outputs = []
-    try:
-        for p in procs:
-            outputs.append(p.communicate(timeout=600)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, out in zip(procs, outputs):
-        assert p.returncode == 0, out[-3000:]
+    run_processes([sys.executable, __file__, str(tmp_path)])
     got = np.load(tmp_path / "logp.npy")
 
     model, tokens, seg = tiny_model_and_batch()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from distributed_testutil import run_processes
 from hf_testutil import (all_tensors, edit_tensors, load_script, make_hf, script_cmd, subprocess_env,
                          text_tensors, to_fused)
 from qwen35_jax.checkpoint import load_checkpoint, load_model, read_metadata, save_checkpoint
@@ -331,28 +332,9 @@ def test_script_mesh_and_export_dtype(hf, tmp_path):
 @pytest.mark.slow
 def test_two_process_import_export(hf, tmp_path):
     """import_hf.py and export_hf.py as 2 processes x 4 devices under jax.distributed: bit-exact."""
-    import socket
-
-    def run_pair(*args: str) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        env = {**subprocess_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-               "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
-        procs = [subprocess.Popen(script_cmd(*args), env={**env, "JAX_PROCESS_ID": str(i)}, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for i in range(2)]
-        try:
-            outs = [p.communicate(timeout=300)[0] for p in procs]
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-        for p, out in zip(procs, outs):
-            assert p.returncode == 0, out[-3000:]
-
     src, ours, back = hf["moe_fused-float32"], str(tmp_path / "ours"), str(tmp_path / "back")
-    run_pair("import_hf", src, ours, "--mesh", "fsdp=2,sp=4")
-    run_pair("export_hf", ours, back, "--max-shard-size", "60KB")
+    run_processes(script_cmd("import_hf", src, ours, "--mesh", "fsdp=2,sp=4"), timeout=300)
+    run_processes(script_cmd("export_hf", ours, back, "--max-shard-size", "60KB"), timeout=300)
     assert all_tensors(back) == all_tensors(src)
     assert not [f for f in os.listdir(tmp_path) if ".partial-" in f]
 
