@@ -27,6 +27,7 @@ from qwen35_jax.hf.load import CONFIG_FILE, abstract_model, default_shardings, l
 from qwen35_jax.hf.names import Layout
 
 FORMAT = "qwen35_jax"
+RUN_CHECKPOINTS = "checkpoints"  # a run directory's checkpoints/<step>/
 VERSION = 1
 _DTYPES = ("float32", "bfloat16", "float16")
 HOST_GB_IN_FLIGHT = 1  # orbax copies arrays through host memory; cap what it holds at once (GB)
@@ -82,6 +83,29 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isdir(os.path.join(path, "meta")) and os.path.isdir(os.path.join(path, "params"))
 
 
+def is_run_dir(path: str) -> bool:
+    """A training run directory (scripts/train.py --out): checkpoints under RUN/checkpoints/<step>."""
+    return os.path.isdir(os.path.join(path, RUN_CHECKPOINTS))
+
+
+def latest_run_checkpoint(run_dir: str) -> str | None:
+    """The newest complete step directory of a run directory, or None. Orbax renames a step's
+    directory to its number only once it is completely written."""
+    directory = os.path.join(run_dir, RUN_CHECKPOINTS)
+    steps = [int(n) for n in os.listdir(directory) if n.isdigit() and is_checkpoint(os.path.join(directory, n))]
+    return os.path.join(directory, str(max(steps))) if steps else None
+
+
+def resolve_checkpoint(path: str) -> str:
+    """`path` itself if it is a checkpoint, the newest checkpoint of a run directory otherwise."""
+    if is_run_dir(path) and not is_checkpoint(path):
+        latest = latest_run_checkpoint(path)
+        if latest is None:
+            raise ValueError(f"{path}: run directory without a complete checkpoint yet")
+        return latest
+    return path
+
+
 def is_hf_dir(path: str) -> bool:
     return os.path.isfile(os.path.join(path, CONFIG_FILE))
 
@@ -102,8 +126,9 @@ def read_metadata(path: str) -> dict[str, Any]:
 
 def load_checkpoint(path: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
                     shardings: Any = None) -> tuple[nnx.Module, Qwen35Config, dict[str, Any]]:
-    """Restore one of our checkpoints straight into its target shardings: (model, config, metadata)."""
-    path = os.path.abspath(os.fspath(path))
+    """Restore one of our checkpoints (or a run directory's newest) straight into its target
+    shardings: (model, config, metadata)."""
+    path = resolve_checkpoint(os.path.abspath(os.fspath(path)))
     if dtype is not None and dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
     meta = read_metadata(path)
@@ -129,11 +154,12 @@ def load_model(path: str, *, dtype: str | None = None,
                mesh: jax.sharding.Mesh | None = None) -> tuple[nnx.Module, Qwen35Config]:
     """A `Qwen35ForCausalLM` from an HF checkpoint directory or one of ours; params in `dtype`
     (default: as stored), ZeRO-3 sharded on `mesh` when given, else on the first device."""
-    path = os.fspath(path)
+    path = resolve_checkpoint(os.fspath(path))
     if is_checkpoint(path):
         model, config, _ = load_checkpoint(path, dtype=dtype, mesh=mesh)
         return model, config
     if is_hf_dir(path) or not os.path.isdir(path):
         model, config, _ = load_hf(path, dtype=dtype, mesh=mesh)
         return model, config
-    raise ValueError(f"{path}: neither a Hugging Face checkpoint (config.json) nor a qwen35_jax checkpoint")
+    raise ValueError(f"{path}: neither a Hugging Face checkpoint (config.json), a qwen35_jax checkpoint "
+                     "nor a run directory")

@@ -72,38 +72,53 @@ def sft_loss(
     return nll, jax.lax.stop_gradient(metrics)
 
 
-def policy_loss(
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl")
+
+
+def kl_penalty(log_probs: jax.Array, ref_log_probs: jax.Array, estimator: str = "low_var_kl") -> jax.Array:
+    """Per-token estimate of KL(policy || reference) from log-probs of the sampled tokens, [B, S]:
+    k1 = log r, k2 = (log r)^2 / 2, k3 = 1/r - 1 + log r with r = p / p_ref ("low_var_kl" is k3 clamped
+    to [-10, 10], as RL stacks run it; k3 itself is left unclamped)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    log_ratio = log_probs - ref_log_probs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * jnp.square(log_ratio)
+    neg = jnp.clip(-log_ratio, -20.0, 20.0)  # exp stays finite
+    k3 = jnp.exp(neg) - neg - 1.0
+    return jnp.clip(k3, -10.0, 10.0) if estimator == "low_var_kl" else k3
+
+
+def policy_terms(
     log_probs: jax.Array,  # [B, S] current policy log p(label)
     old_log_probs: jax.Array,  # [B, S] behaviour policy log p(label)
     advantages: jax.Array,  # [B, S] per token, or [B] per sequence (GRPO)
-    loss_mask: jax.Array,  # [B, S] 0/1
     *,
     clip_low: float = 0.2,
     clip_high: float | None = None,
     dual_clip: float | None = None,
-    aggregation: str = "token_mean",
     entropy: jax.Array | None = None,  # [B, S]
     entropy_coef: float = 0.0,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """PPO/GRPO clipped surrogate: ratio = exp(logp - old_logp),
-    per token max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)); with `dual_clip` = c > 1,
-    tokens with A < 0 are also capped at -A * c. Aggregated by `aggregation`, minus
-    entropy_coef * aggregate(entropy) when entropy is given.
-
-    Metrics: policy_loss, clip_fraction (tokens whose clipped term is the larger), dual_clip_fraction,
-    approx_kl (E[(r - 1) - log r], the k3 estimator of KL(old || new)), ppo_kl (E[old_logp - logp]),
-    ratio_mean, entropy (when given), loss; token means over the mask.
-    """
+    ref_log_probs: jax.Array | None = None,  # [B, S] reference policy log p(label)
+    kl_coef: float = 0.0,
+    kl_estimator: str = "low_var_kl",
+) -> dict[str, jax.Array]:  # every value [B, S]
+    """Per-token terms of the PPO/GRPO objective, before any aggregation over the mask:
+    "loss" = clipped surrogate - entropy_coef * entropy + kl_coef * KL(policy || ref), and the terms
+    RL users log (policy_loss, clip_fraction, dual_clip_fraction, approx_kl, ppo_kl, ratio_mean,
+    entropy and kl when given). `policy_loss` aggregates them; the trainer sums them over micro-batches."""
     clip_high = clip_low if clip_high is None else clip_high
     if not (clip_low > 0 and clip_high > 0):
         raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low} and {clip_high}")
     if dual_clip is not None and not dual_clip > 1:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
-    if aggregation not in AGGREGATIONS:
-        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    if kl_coef < 0 or entropy_coef < 0:
+        raise ValueError(f"kl_coef and entropy_coef must be >= 0, got {kl_coef} and {entropy_coef}")
     if advantages.ndim == log_probs.ndim - 1:
         advantages = advantages[..., None] * jnp.ones_like(log_probs)
-    _check_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, loss_mask=loss_mask)
+    _check_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
 
     log_ratio = jnp.clip(log_probs - old_log_probs, -20.0, 20.0)  # exp stays finite
     ratio = jnp.exp(log_ratio)
@@ -115,20 +130,50 @@ def policy_loss(
         cap = -advantages * dual_clip
         dual_clipped = (advantages < 0) & (per_token > cap)
         per_token = jnp.where(advantages < 0, jnp.minimum(per_token, cap), per_token)
-    pg = aggregate(per_token, loss_mask, aggregation)
-    loss = pg
-    metrics = {
-        "policy_loss": pg,
-        "clip_fraction": masked_mean((clipped > unclipped).astype(jnp.float32), loss_mask),
-        "dual_clip_fraction": masked_mean(dual_clipped.astype(jnp.float32), loss_mask),
-        "approx_kl": masked_mean(ratio - 1.0 - log_ratio, loss_mask),
-        "ppo_kl": masked_mean(-log_ratio, loss_mask),
-        "ratio_mean": masked_mean(ratio, loss_mask),
+    terms = {
+        "policy_loss": per_token,
+        "clip_fraction": (clipped > unclipped).astype(jnp.float32),
+        "dual_clip_fraction": dual_clipped.astype(jnp.float32),
+        "approx_kl": ratio - 1.0 - log_ratio,
+        "ppo_kl": -log_ratio,
+        "ratio_mean": ratio,
     }
+    loss = per_token
     if entropy is not None:
         _check_shapes(log_probs=log_probs, entropy=entropy)
-        ent = aggregate(entropy, loss_mask, aggregation)
-        loss = loss - entropy_coef * ent
-        metrics["entropy"] = ent
-    metrics["loss"] = loss
-    return loss, jax.lax.stop_gradient(metrics)
+        terms["entropy"] = entropy
+        loss = loss - entropy_coef * entropy
+    if ref_log_probs is not None:
+        _check_shapes(log_probs=log_probs, ref_log_probs=ref_log_probs)
+        terms["kl"] = kl_penalty(log_probs, ref_log_probs, kl_estimator)
+        loss = loss + kl_coef * terms["kl"]
+    elif kl_coef:
+        raise ValueError("kl_coef > 0 needs ref_log_probs")
+    terms["loss"] = loss
+    return terms
+
+
+def policy_loss(
+    log_probs: jax.Array,  # [B, S] current policy log p(label)
+    old_log_probs: jax.Array,  # [B, S] behaviour policy log p(label)
+    advantages: jax.Array,  # [B, S] per token, or [B] per sequence (GRPO)
+    loss_mask: jax.Array,  # [B, S] 0/1
+    *,
+    aggregation: str = "token_mean",
+    **terms_kwargs,
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """PPO/GRPO clipped surrogate: ratio = exp(logp - old_logp),
+    per token max(-A * ratio, -A * clip(ratio, 1 - clip_low, 1 + clip_high)); with `dual_clip` = c > 1,
+    tokens with A < 0 are also capped at -A * c; minus entropy_coef * entropy and plus kl_coef * KL to
+    `ref_log_probs` when given (`policy_terms` takes these keyword arguments). Aggregated by `aggregation`.
+
+    Metrics: policy_loss, clip_fraction (tokens whose clipped term is the larger), dual_clip_fraction,
+    approx_kl (E[(r - 1) - log r], the k3 estimator of KL(old || new)), ppo_kl (E[old_logp - logp]),
+    ratio_mean, entropy and kl (when given), loss; each aggregated like the loss.
+    """
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+    terms = policy_terms(log_probs, old_log_probs, advantages, **terms_kwargs)
+    _check_shapes(log_probs=log_probs, loss_mask=loss_mask)
+    metrics = {name: aggregate(x, loss_mask, aggregation) for name, x in terms.items()}
+    return metrics["loss"], jax.lax.stop_gradient(metrics)

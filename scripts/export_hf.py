@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Export a qwen35_jax checkpoint as a Hugging Face checkpoint (safetensors + config.json).
+"""Export a qwen35_jax checkpoint or a training run as a Hugging Face checkpoint (safetensors + config.json).
 
     python scripts/export_hf.py CKPT_DIR OUT_DIR [--max-shard-size 5GB] [--extra-from HF_DIR] [--dtype bfloat16]
 
@@ -9,7 +9,9 @@ for bit; a model made from scratch gets the layout transformers writes for its c
 than --max-shard-size is split into shards with model.safetensors.index.json. --extra-from copies the
 tensors we do not model (vision tower, MTP head) and side files (tokenizer ...) from the original.
 --dtype writes every text tensor in one dtype instead (and sets it in config.json).
-OUT_DIR must not exist; it appears only when complete.
+CKPT_DIR is a checkpoint (import_hf.py's output, or one step of a run) or a run directory of
+scripts/train.py, whose newest complete checkpoint is exported. OUT_DIR must not exist; it appears
+only when complete.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("ckpt_dir", help="qwen35_jax checkpoint (from import_hf.py or training)")
+    p.add_argument("ckpt_dir", help="qwen35_jax checkpoint or training run directory")
     p.add_argument("out_dir", help="new directory for the Hugging Face checkpoint")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest shard file (default 5GB)")
     p.add_argument("--extra-from", default=None, metavar="HF_DIR",

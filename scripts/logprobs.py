@@ -4,7 +4,8 @@
     python scripts/logprobs.py --model DIR --tokens IN.npy --out OUT.npz \
         [--temperature T] [--dtype float32|bfloat16] [--mesh fsdp=F,sp=S] [--segment-ids SEG.npy]
 
-DIR is a Hugging Face checkpoint (config.json + safetensors) or one written by scripts/import_hf.py.
+DIR is a Hugging Face checkpoint (config.json + safetensors), one written by scripts/import_hf.py, or
+a training run directory (its newest checkpoint).
 IN.npy holds integer token ids [B, S]. OUT.npz holds float32 `log_probs` and `entropy`, both [B, S]:
 log_probs[b, t] = log softmax(logits[b, t] / T)[tokens[b, t + 1]], 0 where t + 1 leaves the row, the
 document (--segment-ids) or is padding; entropy[b, t] is the entropy of softmax(logits[b, t] / T),
@@ -25,7 +26,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 2)[2],
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", required=True, type=Path, help="HF checkpoint dir or imported checkpoint dir")
+    parser.add_argument("--model", required=True, type=Path, help="HF checkpoint, imported checkpoint or run directory")
     parser.add_argument("--tokens", required=True, type=Path, help=".npy of integer token ids [B, S]")
     parser.add_argument("--out", required=True, type=Path, help=".npz to write (log_probs, entropy)")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default 1.0)")
@@ -40,6 +41,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="fused log-prob/entropy backend (default: auto)")
     parser.add_argument("--lm-head", choices=["gather", "vocab_parallel"], default="gather",
                         help="how the sharded lm_head is used (default: gather once)")
+    parser.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
+                        help="attention kernel (default: auto; xla is the fallback everywhere)")
+    parser.add_argument("--gdn-sp-mode", choices=["all_to_all", "state_passing"], default="all_to_all",
+                        help="GDN sequence parallelism (default: all_to_all)")
     return parser.parse_args(argv)
 
 
@@ -95,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
 
     # jax is imported only after the cheap checks, so bad input fails fast.
     from qwen35_jax.checkpoint import load_model
+    from qwen35_jax.kernel_choices import explain_compile_failure, kernel_choices
     from qwen35_jax.labels import IGNORE, next_token_labels
     from qwen35_jax.parallel.mesh import init_distributed, make_mesh
     from qwen35_jax.scoring import check_inputs, score_batches
@@ -104,9 +110,16 @@ def run(args: argparse.Namespace) -> int:
     model, config = load_model(args.model, dtype=args.dtype, mesh=mesh)
     check_inputs(tokens, segment_ids, config.vocab_size, source=str(args.tokens))
     start = time.perf_counter()
-    log_probs, entropy = score_batches(
-        model, tokens, segment_ids, mesh=mesh, temperature=args.temperature,
-        batch_size=args.batch_size, backend=args.backend, lm_head_mode=args.lm_head)
+    try:
+        with kernel_choices(args.attention, args.gdn_sp_mode):
+            log_probs, entropy = score_batches(
+                model, tokens, segment_ids, mesh=mesh, temperature=args.temperature,
+                batch_size=args.batch_size, backend=args.backend, lm_head_mode=args.lm_head)
+    except Exception as err:
+        hint = explain_compile_failure(err, attention=args.attention, logprob_backend=args.backend)
+        if hint is None:
+            raise
+        raise ValueError(hint.replace("--logprob-backend", "--backend")) from err
     seconds = time.perf_counter() - start
     write_npz_atomically(args.out, log_probs=log_probs, entropy=entropy)
 

@@ -1,7 +1,27 @@
-"""Training: the optimizer, the jitted SFT/PPO train step and the batch source (scripts/train.py)."""
+"""Training: options, the optimizer, the jitted SFT/PPO step, batch streams, and the run loop
+(run directory, checkpoints, metrics, signals) behind scripts/train.py.
 
-from qwen35_jax.train.data import BatchSource, check_batch_size, load_npy_dir, synthetic_data
-from qwen35_jax.train.step import OBJECTIVES, create_optimizer, make_optimizer, make_schedule, make_train_step
+Names are loaded on first use, so the command line parses options and installs its signal handler
+before jax loads.
+"""
 
-__all__ = ["OBJECTIVES", "BatchSource", "check_batch_size", "create_optimizer", "load_npy_dir", "make_optimizer",
-           "make_schedule", "make_train_step", "synthetic_data"]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ArrayBatches": "data", "BatchStream": "data", "check_batch_size": "data", "load_npy_dir": "data",
+    "place_batch": "data", "synthetic_data": "data",
+    "init_opt_state": "optim", "make_optimizer": "optim", "make_schedule": "optim", "opt_state_shardings": "optim",
+    "TrainOptions": "options", "parse_options": "options",
+    "OBJECTIVES": "step", "StepOptions": "step", "make_eval_step": "step", "make_train_step": "step",
+    "train": "loop",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qwen35_jax.train' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"qwen35_jax.train.{_EXPORTS[name]}"), name)

@@ -1,13 +1,15 @@
-"""The train step: sequence-sharded forward, fused per-token log-probs, SFT or PPO loss, AdamW update.
+"""The train step: micro-batched forward/backward on the fused log-probs, one AdamW update per batch.
 
-Parameters are ZeRO-3 sharded over (fsdp, sp) and the AdamW moments get exactly the same shardings
-(`create_optimizer`), so each device holds 1/(F*sp) of parameters, gradients and optimizer state. The
-batch is P('fsdp', 'sp'): rows over fsdp, positions over sp. Log-probs come from
-`scoring.score_tokens`, so labels are built on the global sequence and no [tokens x vocab] logits exist.
+Parameters are ZeRO-3 sharded over (fsdp, sp), the optimizer state follows them (`optim.py`). A batch
+holds K micro-batches, every field [K, B/K, S] sharded P(None, 'fsdp', 'sp'): rows over fsdp,
+positions over sp. The loss is normalised by the loss tokens of the whole batch (not a mean of
+micro-batch means), so K micro-batches give the update of the whole batch at once. A batch whose loss
+or gradient norm is not finite changes nothing (`applied` is 0 in its metrics).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -19,116 +21,157 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from qwen35_jax.labels import IGNORE, next_token_labels
-from qwen35_jax.losses import policy_loss, sft_loss
+from qwen35_jax.losses import KL_ESTIMATORS, policy_terms
+from qwen35_jax.parallel.mesh import FSDP, SP
 from qwen35_jax.scoring import score_tokens
+from qwen35_jax.train.optim import Params
 
 OBJECTIVES = ("sft", "ppo")
-Batch = dict[str, jax.Array]  # every entry [B, S], sharded P('fsdp', 'sp')
+PPO_FIELDS = ("old_log_probs", "advantages")
+Batch = dict[str, jax.Array]  # every field [K, B/K, S] (per-sequence advantages [K, B/K])
+MICRO_BSS = P(None, FSDP, SP)  # [K, B/K, S]
+MICRO_BS = P(None, FSDP)  # [K, B/K]
 
 
-def make_schedule(lr: float, total_steps: int, warmup_steps: int = 0, final_lr_ratio: float = 0.1) -> optax.Schedule:
-    """Linear warmup to `lr` over the first `warmup_steps` updates (the first at lr / warmup_steps),
-    then cosine decay towards `lr * final_lr_ratio`, reached after `total_steps` updates."""
-    if not lr > 0:
-        raise ValueError(f"learning rate must be > 0, got {lr}")
-    if total_steps < 1 or not 0 <= warmup_steps <= total_steps:
-        raise ValueError(f"need total_steps >= 1 and 0 <= warmup_steps <= total_steps, "
-                         f"got {total_steps} and {warmup_steps}")
-    base = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=lr, warmup_steps=warmup_steps,
-        decay_steps=max(total_steps, warmup_steps + 1), end_value=lr * final_lr_ratio)
-    offset = 1 if warmup_steps else 0  # update 0 already learns: lr / warmup_steps, not 0
-    return lambda count: base(count + offset)
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """What the step computes (not how the optimizer updates)."""
+    objective: str = "sft"  # sft | ppo
+    temperature: float = 1.0
+    clip_low: float = 0.2  # PPO ratio clip below 1
+    clip_high: float | None = None  # PPO ratio clip above 1 (None: clip_low)
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0  # PPO: KL(policy || reference) penalty, needs ref_log_probs
+    kl_estimator: str = "low_var_kl"
+    backend: str = "auto"  # fused log-prob backend
+    lm_head_mode: str = "gather"  # gather | vocab_parallel
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective must be one of {OBJECTIVES}, got {self.objective!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
+        if self.kl_coef < 0 or self.entropy_coef < 0:
+            raise ValueError("kl_coef and entropy_coef must be >= 0")
+
+    def required_fields(self) -> tuple[str, ...]:
+        """Batch fields beyond tokens/segment_ids/loss_mask that the objective reads."""
+        if self.objective == "sft":
+            return ()
+        return PPO_FIELDS + (("ref_log_probs",) if self.kl_coef > 0 else ())
 
 
-def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0, clip_norm: float | None = 1.0,
-                   b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8) -> optax.GradientTransformation:
-    """AdamW on `schedule`, after clipping the gradients to global norm `clip_norm` (None: no clipping)."""
-    if clip_norm is not None and not clip_norm > 0:
-        raise ValueError(f"clip_norm must be > 0 or None, got {clip_norm}")
-    adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
-    return adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+def loss_mask_of(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax.Array | None) -> jax.Array:
+    """[B, S] float32: 1 where log_probs[b, t] (the prediction of tokens[b, t + 1]) is trained on: it
+    has a label in the same document and `loss_mask` (prompt / ignored tokens 0), if given, is 1."""
+    mask = (next_token_labels(tokens, segment_ids) != IGNORE).astype(jnp.float32)
+    return mask if loss_mask is None else mask * loss_mask.astype(jnp.float32)
 
 
-def _key_names(path: tuple[Any, ...]) -> tuple[Any, ...]:
-    return tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+def token_terms(options: StepOptions, log_probs: jax.Array, entropy: jax.Array,
+                batch: Batch) -> dict[str, jax.Array]:
+    """Per-token objective terms [B, S] ("loss" and what is logged) of one micro-batch."""
+    if options.objective == "sft":
+        return {"loss": -log_probs, "nll": -log_probs, "entropy": entropy}
+    return policy_terms(
+        log_probs, batch["old_log_probs"], batch["advantages"], clip_low=options.clip_low,
+        clip_high=options.clip_high, entropy=entropy, entropy_coef=options.entropy_coef,
+        ref_log_probs=batch.get("ref_log_probs") if options.kl_coef > 0 else None,
+        kl_coef=options.kl_coef, kl_estimator=options.kl_estimator)
 
 
-def create_optimizer(model: nnx.Module, tx: optax.GradientTransformation, mesh: Mesh) -> nnx.Optimizer:
-    """`nnx.Optimizer` over the model's `nnx.Param`s whose state follows the parameters: every moment
-    gets the sharding of the parameter it belongs to, scalars (step, count) are replicated on `mesh`."""
-    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    params = {_key_names(p): x.sharding for p, x in jax.tree.flatten_with_path(nnx.state(model, nnx.Param))[0]}
-    replicated = NamedSharding(mesh, P())
-
-    def sharding(path: tuple[Any, ...], leaf: jax.Array) -> jax.sharding.Sharding:
-        names = _key_names(path)
-        for start in range(len(names)):  # a moment's path ends with its parameter's path
-            if names[start:] in params:
-                return params[names[start:]]
-        return replicated
-
-    state = nnx.state(optimizer)
-    nnx.update(optimizer, jax.device_put(state, jax.tree.map_with_path(sharding, state)))
-    return optimizer
+def _micro_sums(options: StepOptions, graphdef: nnx.GraphDef, params: Params, micro: Batch,
+                mask: jax.Array, denominator: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """(sum of the micro-batch's loss tokens / denominator, every term summed over its mask)."""
+    model = nnx.merge(graphdef, params)
+    log_probs, entropy = score_tokens(  # [b, S] each
+        model, micro["tokens"], micro["segment_ids"], temperature=options.temperature,
+        backend=options.backend, lm_head_mode=options.lm_head_mode)
+    terms = token_terms(options, log_probs, entropy, micro)
+    sums = {name: jnp.sum(x * mask) for name, x in terms.items()}
+    return sums["loss"] / denominator, jax.lax.stop_gradient(sums)
 
 
-def loss_mask_of(batch: Batch) -> jax.Array:  # [B, S] float32
-    """1 where log_probs[b, t] (the prediction of tokens[b, t + 1]) is trained on: it has a label in
-    the same document and the batch's own `loss_mask` (prompt / ignored tokens 0), if any, is 1."""
-    labels = next_token_labels(batch["tokens"], batch["segment_ids"])  # [B, S]
-    mask = (labels != IGNORE).astype(jnp.float32)
-    if "loss_mask" in batch:
-        mask = mask * batch["loss_mask"].astype(jnp.float32)
-    return mask
+def _masks(batch: Batch) -> jax.Array:  # [K, b, S] float32
+    k, b, s = batch["tokens"].shape
+    flat = {name: batch[name].reshape(k * b, s) for name in ("tokens", "segment_ids", "loss_mask") if name in batch}
+    return loss_mask_of(flat["tokens"], flat["segment_ids"], flat.get("loss_mask")).reshape(k, b, s)
 
 
-def make_train_step(
-    schedule: optax.Schedule,
-    *,
-    objective: str = "sft",
-    temperature: float = 1.0,
-    clip_low: float = 0.2,
-    clip_high: float | None = None,
-    entropy_coef: float = 0.0,
-    backend: str = "auto",
-    lm_head_mode: str = "gather",
-) -> Callable[[nnx.Module, nnx.Optimizer, Batch], dict[str, jax.Array]]:
-    """`train_step(model, optimizer, batch) -> metrics`, jitted, updating model and optimizer in place.
-    Their old buffers are donated: arrays shared with another object (an `nnx.clone`) are deleted.
+def _sum_over_micro_batches(fn: Callable[[Batch, jax.Array], Any], batch: Batch, masks: jax.Array) -> Any:
+    """sum over the K micro-batches of `fn(micro_batch, mask)` (a pytree): the first one directly,
+    the rest in a scan, so K = 1 has no loop and the accumulators take the first result's shardings."""
+    first = fn(jax.tree.map(lambda x: x[0], batch), masks[0])
+    if masks.shape[0] == 1:
+        return first
+    rest = (jax.tree.map(lambda x: x[1:], batch), masks[1:])
+    return jax.lax.scan(lambda acc, xs: (jax.tree.map(jnp.add, acc, fn(*xs)), None), first, rest)[0]
 
-    Call it with the mesh set (`jax.set_mesh(mesh)`). The batch holds `tokens`, `segment_ids` (>= 1,
-    0 = padding) and optionally `loss_mask`; PPO also `old_log_probs` and `advantages`, all [B, S] and
-    aligned with the log-probs: entry t belongs to the prediction of tokens[t + 1].
-    Metrics: loss, grad_norm (before clipping), lr (of this update), tokens, and the loss's own metrics.
+
+def _normalise(sums: dict[str, jax.Array], tokens: jax.Array) -> dict[str, jax.Array]:
+    denominator = jnp.maximum(tokens, 1.0)
+    return {**{name: s / denominator for name, s in sums.items()}, "tokens": tokens}
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, options: StepOptions,
+                    shardings: tuple[Any, Any]) -> Callable[[Params, Any, Batch], tuple[Params, Any, dict[str, jax.Array]]]:
+    """`step(params, opt_state, batch) -> (params, opt_state, metrics)`, jitted, donating the old
+    params and optimizer state; `shardings` = (params', opt_state's) shardings, kept by the outputs.
+
+    Call it with the mesh set (`jax.set_mesh(mesh)`). Metrics (scalars): loss and the objective's terms
+    as token means over the whole batch's loss mask, tokens (that mask's sum), grad_norm (before
+    clipping), applied (1, or 0 when the loss or gradient was not finite and nothing changed) and
+    batch_tokens (non-padding tokens of the batch).
     """
-    if objective not in OBJECTIVES:
-        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
 
-    def loss_fn(model: nnx.Module, batch: Batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-        log_probs, entropy = score_tokens(  # [B, S] each
-            model, batch["tokens"], batch["segment_ids"], temperature=temperature, backend=backend,
-            lm_head_mode=lm_head_mode)
-        mask = loss_mask_of(batch)
-        if objective == "sft":
-            loss, metrics = sft_loss(log_probs, mask)
-        else:
-            loss, metrics = policy_loss(
-                log_probs, batch["old_log_probs"], batch["advantages"], mask, clip_low=clip_low,
-                clip_high=clip_high, entropy=entropy, entropy_coef=entropy_coef)
-        metrics = {**metrics, "loss": loss, "tokens": jnp.sum(mask)}
-        return loss, metrics
+    def step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
+        masks = _masks(batch)  # [K, b, S]
+        tokens = jnp.sum(masks)
+        denominator = jnp.maximum(tokens, 1.0)
+        grad_fn = jax.grad(lambda p, mb, m: _micro_sums(options, graphdef, p, mb, m, denominator), has_aux=True)
 
-    @nnx.jit(donate_argnums=(0, 1))
-    def train_step(model: nnx.Module, optimizer: nnx.Optimizer, batch: Batch) -> dict[str, jax.Array]:
-        if objective == "ppo" and not {"old_log_probs", "advantages"} <= batch.keys():
-            raise ValueError(f"objective 'ppo' needs old_log_probs and advantages in the batch, got {sorted(batch)}")
-        lr = schedule(optimizer.step[...])
-        grads, metrics = nnx.grad(loss_fn, has_aux=True)(model, batch)
+        def micro_grads(micro: Batch, mask: jax.Array) -> tuple[Params, dict[str, jax.Array]]:
+            grads, sums = grad_fn(params, micro, mask)
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+            return jax.lax.with_sharding_constraint(grads, shardings[0]), sums
+
+        grads, sums = _sum_over_micro_batches(micro_grads, batch, masks)
+        metrics = _normalise(sums, tokens)
         grad_norm = optax.tree.norm(grads)
-        optimizer.update(model, grads)
-        return {**metrics, "grad_norm": grad_norm, "lr": jnp.asarray(lr, jnp.float32)}
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        batch_tokens = jnp.sum(batch["segment_ids"] != 0).astype(jnp.float32)
+        return params, opt_state, {**metrics, "grad_norm": grad_norm, "applied": finite.astype(jnp.float32),
+                                   "batch_tokens": batch_tokens}
 
-    return train_step
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None))
+
+
+def make_eval_step(graphdef: nnx.GraphDef, options: StepOptions) -> Callable[[Params, Batch], dict[str, jax.Array]]:
+    """`eval_step(params, batch) -> {term: sum over the batch's mask, "tokens": mask sum}` (sums, so
+    several batches add up before `finish_eval` divides)."""
+
+    def eval_step(params: Params, batch: Batch) -> dict[str, jax.Array]:
+        masks = _masks(batch)
+        sums = _sum_over_micro_batches(
+            lambda micro, mask: _micro_sums(options, graphdef, params, micro, mask, jnp.ones(()))[1], batch, masks)
+        return {**sums, "tokens": jnp.sum(masks)}
+
+    return jax.jit(eval_step)
+
+
+def finish_eval(totals: dict[str, float]) -> dict[str, float]:
+    """Token means of summed `eval_step` outputs."""
+    tokens = totals["tokens"]
+    return {name: (v / max(tokens, 1.0) if name != "tokens" else v) for name, v in totals.items()}
+
+
+def batch_shardings(mesh: Mesh, batch: dict[str, Any]) -> dict[str, NamedSharding]:
+    """P(None, 'fsdp', 'sp') for [K, b, S] fields, P(None, 'fsdp') for per-sequence [K, b] ones."""
+    return {name: NamedSharding(mesh, MICRO_BSS if len(x.shape) == 3 else MICRO_BS) for name, x in batch.items()}

@@ -1,0 +1,41 @@
+"""The kernel and parallelism choices a user can switch from the command line.
+
+Attention implementation (`auto|xla|pallas`), fused log-prob backend, lm_head mode and GDN
+sequence-parallel mode are chosen per run; the first two are trace-time contexts entered here. When a
+step fails on a GPU or TPU while a Pallas kernel is selected, `explain_compile_failure` names the flags
+that fall back to XLA, so nobody has to edit code to get going.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import jax
+
+from qwen35_jax.layers.attention_kernels import attention_implementation
+from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
+
+
+@contextlib.contextmanager
+def kernel_choices(attention: str = "auto", gdn_mode: str = "all_to_all") -> Iterator[None]:
+    """Trace everything inside with attention implementation `attention` and GDN SP mode `gdn_mode`."""
+    with attention_implementation(attention), gdn_sp_mode(gdn_mode):
+        yield
+
+
+def explain_compile_failure(err: Exception, *, attention: str, logprob_backend: str) -> str | None:
+    """A one-line message naming the fallback flags, when a Pallas kernel may have caused `err`
+    (never on CPU, where both choices resolve to XLA); None when no fallback applies."""
+    if jax.default_backend() == "cpu" or isinstance(err, ValueError):
+        return None
+    fallbacks = []
+    if attention in ("auto", "pallas"):
+        fallbacks.append("--attention xla")
+    if logprob_backend in ("auto", "pallas"):
+        fallbacks.append("--logprob-backend xla")
+    if not fallbacks:
+        return None
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return (f"the first step failed to compile or run ({type(err).__name__}: {first}); if a Pallas kernel "
+            f"is the cause, rerun with {' and '.join(fallbacks)}")

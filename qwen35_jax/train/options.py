@@ -1,0 +1,237 @@
+"""Every option of a training run: one dataclass, read from a YAML/JSON file and overridden by flags.
+
+`TrainOptions` is the single source of the command line (`scripts/train.py --help` lists every field
+with its help text), of `--config FILE` and of the run directory's `config.yaml`. Fields in
+`RESUMABLE_CHANGES` may differ when a run resumes (how it runs: mesh, kernels, how long, how often to
+save); every other field defines the run, and a run directory holding another value is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+CHOICES = {
+    "objective": ("sft", "ppo"),
+    "kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
+    "param_dtype": ("float32", "bfloat16"),
+    "compute_dtype": ("float32", "bfloat16"),
+    "attention": ("auto", "xla", "pallas"),
+    "logprob_backend": ("auto", "xla", "pallas", "reference"),
+    "lm_head": ("gather", "vocab_parallel"),
+    "gdn_sp_mode": ("all_to_all", "state_passing"),
+    "long_rows": ("truncate", "split", "drop"),
+    "bad_rows": ("skip", "stop"),
+}
+
+
+def _opt(default: Any, help: str, group: str) -> Any:
+    factory = (lambda: list(default)) if isinstance(default, list) else None
+    meta = {"help": help, "group": group}
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+
+
+@dataclass
+class TrainOptions:
+    # --- what to train, on what, where
+    model: str | None = _opt(None, "HF checkpoint, qwen35_jax checkpoint or run directory to start from", "run")
+    preset: str | None = _opt(None, "random init of a named config instead of --model (tiny, 0.8B, 9B, ...)", "run")
+    data: list[str] = _opt([], "training data: a .npy directory (tokens.npy, ...), a prepared dataset "
+                               "directory, or JSONL files / directories (docs/data.md)", "run")
+    eval_data: list[str] = _opt([], "held-out data, same forms as --data", "run")
+    synthetic: bool = _opt(False, "train on random tokens instead of --data", "run")
+    tokenizer: str | None = _opt(None, "HF tokenizer directory for JSONL data (default: --model)", "run")
+    out: str | None = _opt(None, "run directory: created if new, resumed if it holds this run", "run")
+    seed: int = _opt(0, "seed of --preset init, --synthetic data and the data order", "run")
+    # --- objective
+    objective: str = _opt("sft", "loss: sft (token-mean NLL) or ppo (clipped surrogate)", "objective")
+    temperature: float = _opt(1.0, "softmax temperature of the log-probs", "objective")
+    clip_ratio: float = _opt(0.2, "PPO ratio clip below 1 (and above, unless --clip-ratio-high)", "objective")
+    clip_ratio_high: float | None = _opt(None, "PPO ratio clip above 1 (clip-higher)", "objective")
+    entropy_coef: float = _opt(0.0, "PPO entropy bonus", "objective")
+    kl_coef: float = _opt(0.0, "PPO KL penalty to the reference policy (needs ref_log_probs.npy)", "objective")
+    kl_estimator: str = _opt("low_var_kl", "per-token KL estimator: k1, k2, k3, low_var_kl (k3 clamped)", "objective")
+    # --- batch
+    batch_size: int | None = _opt(None, "global sequences per optimizer step (default: fsdp x grad-accum)", "batch")
+    grad_accum: int = _opt(1, "micro-batches per step; the update equals the whole batch's", "batch")
+    seq_len: int = _opt(128, "row length of --synthetic data and of packed JSONL data", "batch")
+    long_rows: str = _opt("split", "JSONL rows longer than --seq-len: truncate, split or drop", "batch")
+    bad_rows: str = _opt("skip", "JSONL rows that cannot be read: skip (counted) or stop", "batch")
+    data_workers: int = _opt(0, "data loader worker processes (0: in the training process)", "batch")
+    # --- optimizer and schedule
+    steps: int = _opt(10, "stop after this many optimizer steps (a resumed run continues to it)", "optimizer")
+    schedule_steps: int | None = _opt(None, "length of the learning-rate schedule (default: --steps)", "optimizer")
+    lr: float = _opt(1e-5, "peak learning rate", "optimizer")
+    warmup_steps: int = _opt(0, "linear warmup steps", "optimizer")
+    final_lr_ratio: float = _opt(0.1, "cosine decay ends at lr x this", "optimizer")
+    weight_decay: float = _opt(0.0, "AdamW weight decay (never on norms, biases, A_log, dt_bias)", "optimizer")
+    clip_norm: float | None = _opt(1.0, "global gradient-norm clip (null in a config file: none)", "optimizer")
+    adam_b1: float = _opt(0.9, "AdamW beta1", "optimizer")
+    adam_b2: float = _opt(0.95, "AdamW beta2", "optimizer")
+    adam_eps: float = _opt(1e-8, "AdamW epsilon", "optimizer")
+    # --- precision and memory
+    param_dtype: str = _opt("float32", "master weights and optimizer state dtype", "precision")
+    compute_dtype: str | None = _opt(None, "matmul/activation dtype (default: bfloat16 on GPU/TPU, float32 on CPU)",
+                                     "precision")
+    remat: str | None = _opt(None, "activation recomputation policy (default: the model config's)", "precision")
+    # --- kernels and parallelism (fallbacks without editing code)
+    mesh: str | None = _opt(None, "device layout 'fsdp=F,sp=S' (default: all devices on fsdp)", "parallelism")
+    attention: str = _opt("auto", "attention kernel: auto, xla, pallas", "parallelism")
+    logprob_backend: str = _opt("auto", "fused log-prob kernel: auto, xla, pallas, reference", "parallelism")
+    lm_head: str = _opt("gather", "lm_head under sp: gather or vocab_parallel", "parallelism")
+    gdn_sp_mode: str = _opt("all_to_all", "GDN sequence parallelism: all_to_all or state_passing", "parallelism")
+    # --- checkpoints, evaluation, logging
+    save_every: int = _opt(100, "checkpoint every N steps (and at the end)", "run control")
+    keep: int = _opt(3, "checkpoints kept", "run control")
+    eval_every: int = _opt(0, "held-out loss every N steps (0: only at the end, when --eval-data)", "run control")
+    eval_batches: int = _opt(4, "batches of --eval-data per evaluation", "run control")
+    max_bad_steps: int = _opt(5, "stop after this many steps in a row with a non-finite loss or gradient", "run control")
+    peak_tflops: float | None = _opt(None, "device peak for MFU (default: known GPUs/TPUs; none on CPU)", "run control")
+    progress: bool = _opt(True, "show a progress bar", "run control")
+
+    def __post_init__(self) -> None:
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value is not None and value not in choices:
+                raise ValueError(f"--{flag(name)} must be one of {', '.join(choices)}, got {value!r}")
+        positive = ("steps", "grad_accum", "seq_len", "save_every", "keep", "max_bad_steps", "eval_batches")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("lr", "temperature", "clip_ratio", "adam_eps"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{flag(name)} must be > 0, got {getattr(self, name)}")
+        for name in ("clip_norm", "clip_ratio_high", "peak_tflops", "batch_size", "schedule_steps"):
+            if getattr(self, name) is not None and not getattr(self, name) > 0:
+                raise ValueError(f"--{flag(name)} must be > 0, got {getattr(self, name)}")
+        for name in ("weight_decay", "entropy_coef", "kl_coef", "warmup_steps", "eval_every", "data_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{flag(name)} must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.final_lr_ratio <= 1:
+            raise ValueError(f"--final-lr-ratio must be in [0, 1], got {self.final_lr_ratio}")
+        if self.warmup_steps > self.total_schedule_steps:
+            raise ValueError(f"--warmup-steps {self.warmup_steps} exceeds the schedule's {self.total_schedule_steps} steps")
+        if self.kl_coef > 0 and self.objective != "ppo":
+            raise ValueError("--kl-coef applies to --objective ppo only")
+
+    @property
+    def total_schedule_steps(self) -> int:
+        return self.steps if self.schedule_steps is None else self.schedule_steps
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# Fields that may change when a run resumes: they change how it runs, not what it computes.
+RESUMABLE_CHANGES = frozenset({
+    "model", "out", "steps", "mesh", "grad_accum", "compute_dtype", "remat", "attention", "logprob_backend",
+    "lm_head", "gdn_sp_mode", "save_every", "keep", "eval_every", "eval_batches", "eval_data",
+    "max_bad_steps", "peak_tflops", "progress", "data_workers", "tokenizer"})
+
+
+def flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _fields() -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(TrainOptions)}
+
+
+def _base_type(annotation: Any) -> tuple[type, bool]:
+    """(int | float | str | bool | list, whether None is allowed) of a field's annotation."""
+    hint = typing.get_type_hints(TrainOptions)[annotation] if isinstance(annotation, str) else annotation
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        inner = [a for a in args if a is not type(None)]
+        return _base_type(inner[0])[0], True
+    return (list if typing.get_origin(hint) is list else hint), False
+
+
+def _check_value(name: str, value: Any, source: str) -> Any:
+    kind, optional = _base_type(name)
+    if value is None and optional:
+        return None
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if kind is list and isinstance(value, str):
+        return [value]
+    ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
+    if kind is list:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if not ok:
+        want = "a list of strings" if kind is list else kind.__name__
+        raise ValueError(f"{source}: option {name!r} must be {want}{' or null' if optional else ''}, "
+                         f"got {value!r}")
+    return value
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """A YAML or JSON mapping of option names (with - or _) to values, each checked for type."""
+    try:
+        with open(path) as f:
+            text = f.read()
+        raw = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except OSError as err:
+        raise ValueError(f"config file {path}: {err.strerror}") from None
+    except (yaml.YAMLError, json.JSONDecodeError) as err:
+        raise ValueError(f"config file {path} is not valid {'JSON' if path.endswith('.json') else 'YAML'}: "
+                         f"{str(err).splitlines()[0]}") from None
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise ValueError(f"config file {path}: expected a mapping of options, got {type(raw).__name__}")
+    known = _fields()
+    values = {}
+    for key, value in raw.items():
+        name = str(key).replace("-", "_")
+        if name not in known:
+            raise ValueError(f"config file {path}: unknown option {key!r} (see scripts/train.py --help)")
+        values[name] = _check_value(name, value, f"config file {path}")
+    return values
+
+
+def build_parser(description: str = "", epilog: str = "") -> argparse.ArgumentParser:
+    """A parser with one flag per field (defaults suppressed, so only given flags appear)."""
+    parser = argparse.ArgumentParser(description=description, epilog=epilog, argument_default=argparse.SUPPRESS,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", help="YAML or JSON file of options; flags given here override it")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for name, f in _fields().items():
+        group = groups.setdefault(f.metadata["group"], parser.add_argument_group(f.metadata["group"]))
+        kind, _ = _base_type(name)
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        help_text = f"{f.metadata['help']} (default: {default})"
+        if kind is bool:
+            group.add_argument(f"--{flag(name)}", action=argparse.BooleanOptionalAction, help=help_text)
+        elif kind is list:
+            group.add_argument(f"--{flag(name)}", nargs="+", metavar="PATH", help=help_text)
+        else:
+            group.add_argument(f"--{flag(name)}", type=kind, choices=CHOICES.get(name), help=help_text)
+    return parser
+
+
+def parse_options(argv: list[str] | None, parser: argparse.ArgumentParser | None = None,
+                  defaults: dict[str, Any] | None = None) -> TrainOptions:
+    """Options from `defaults`, then `--config FILE`, then the flags in `argv` (each overriding the last)."""
+    parser = parser or build_parser()
+    given = vars(parser.parse_args(argv))
+    config_path = given.pop("config", None)
+    values = dict(defaults or {})
+    if config_path is not None:
+        values.update(read_config_file(os.fspath(config_path)))
+    values.update(given)
+    return TrainOptions(**values)
+
+
+def differences(stored: dict[str, Any], options: TrainOptions) -> list[str]:
+    """The run-defining fields where `options` differs from a run directory's stored options."""
+    now = options.to_dict()
+    return [f"{flag(k)}={stored.get(k)!r} (now {now[k]!r})" for k in now
+            if k not in RESUMABLE_CHANGES and stored.get(k, now[k]) != now[k]]

@@ -1,0 +1,95 @@
+"""Where a run's batches come from: --synthetic rows, a .npy directory, or the data pipeline
+(prepared datasets and JSONL, `qwen35_jax.data`), each as a `BatchStream`."""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.hf.export import is_lead_process, sync_processes
+from qwen35_jax.train.data import ArrayBatches, BatchStream, load_npy_dir, synthetic_data
+from qwen35_jax.train.options import TrainOptions
+
+SYNTHETIC_DIR = "synthetic"
+
+
+def is_npy_dir(path: str) -> bool:
+    """A directory of training arrays (tokens.npy, ...) that is not a prepared dataset (manifest.json)."""
+    return (os.path.isdir(path) and os.path.isfile(os.path.join(path, "tokens.npy"))
+            and not os.path.isfile(os.path.join(path, "manifest.json")))
+
+
+def _synthetic(options: TrainOptions, config: Qwen35Config, batch_size: int, mesh: jax.sharding.Mesh,
+               graphdef: nnx.GraphDef, params: Any) -> dict[str, np.ndarray]:
+    """The run's random rows, made once and kept in RUN/synthetic/ (PPO's old log-probs come from the
+    starting model, which a resumed run no longer has)."""
+    directory = os.path.join(options.out, SYNTHETIC_DIR)
+    if os.path.isfile(os.path.join(directory, "tokens.npy")):
+        return {k: np.asarray(v) for k, v in load_npy_dir(directory).items()}
+    data = synthetic_data(batch_size, options.seq_len, config.vocab_size, objective=options.objective,
+                          seed=options.seed)
+    if options.objective == "ppo":  # on-policy: the behaviour policy is the starting model
+        from qwen35_jax.kernel_choices import kernel_choices
+        from qwen35_jax.scoring import score_batches
+        with kernel_choices(options.attention, options.gdn_sp_mode):
+            data["old_log_probs"], _ = score_batches(
+                nnx.merge(graphdef, params), data["tokens"], None, mesh=mesh, temperature=options.temperature,
+                backend=options.logprob_backend, lm_head_mode=options.lm_head)
+        data["ref_log_probs"] = data["old_log_probs"]
+    if is_lead_process():
+        tmp = directory + ".tmp"
+        os.makedirs(tmp, exist_ok=True)
+        for name, x in data.items():
+            np.save(os.path.join(tmp, f"{name}.npy"), x)
+        os.replace(tmp, directory)
+    sync_processes("qwen35_synthetic_written")
+    return data
+
+
+def _open(paths: list[str], options: TrainOptions, *, config: Qwen35Config, batch_size: int, shard_index: int,
+          shard_count: int, fields: tuple[str, ...], shuffle: bool) -> BatchStream:
+    if len(paths) == 1 and is_npy_dir(paths[0]):
+        return ArrayBatches(load_npy_dir(paths[0]), batch_size, vocab_size=config.vocab_size, fields=fields,
+                            shard_index=shard_index, shard_count=shard_count, source=paths[0])
+    if any(is_npy_dir(p) for p in paths):
+        raise ValueError(f"a .npy data directory must be the only --data/--eval-data path, got {paths}")
+    if fields:
+        raise ValueError(f"--objective {options.objective} needs {', '.join(fields)} per token: give a .npy "
+                         "directory (docs/training.md), not text or a prepared dataset")
+    from qwen35_jax.data import open_batches
+    return open_batches(paths, seq_len=options.seq_len, batch_size=batch_size, vocab_size=config.vocab_size,
+                        tokenizer=options.tokenizer or options.model, seed=options.seed, shuffle=shuffle,
+                        shard_index=shard_index, shard_count=shard_count, long_rows=options.long_rows,
+                        bad_rows=options.bad_rows, worker_count=options.data_workers)
+
+
+def open_train_stream(options: TrainOptions, *, config: Qwen35Config, mesh: jax.sharding.Mesh, batch_size: int,
+                      shard_index: int, shard_count: int, fields: tuple[str, ...], graphdef: nnx.GraphDef,
+                      params: Any) -> BatchStream:
+    """This process's stream of training batches."""
+    if options.synthetic:
+        data = _synthetic(options, config, batch_size, mesh, graphdef, params)
+        return ArrayBatches(data, batch_size, vocab_size=config.vocab_size, fields=fields, shard_index=shard_index,
+                            shard_count=shard_count, source="synthetic data")
+    return _open(options.data, options, config=config, batch_size=batch_size, shard_index=shard_index,
+                 shard_count=shard_count, fields=fields, shuffle=True)
+
+
+def open_eval_stream(options: TrainOptions, *, config: Qwen35Config, batch_size: int, shard_index: int,
+                     shard_count: int, fields: tuple[str, ...]) -> tuple[BatchStream | None, int]:
+    """(the held-out stream or None, batches per evaluation: --eval-batches, at most one pass over
+    a .npy directory)."""
+    if not options.eval_data:
+        return None, 0
+    stream = _open(options.eval_data, options, config=config, batch_size=batch_size, shard_index=shard_index,
+                   shard_count=shard_count, fields=fields, shuffle=False)
+    batches = options.eval_batches
+    if isinstance(stream, ArrayBatches):
+        batches = min(batches, math.ceil(stream.rows / batch_size))
+    return stream, batches
