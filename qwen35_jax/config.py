@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import operator
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -65,7 +66,7 @@ class Qwen35Config:
     def __post_init__(self) -> None:
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.mrope_section is not None:
-            object.__setattr__(self, "mrope_section", tuple(int(s) for s in self.mrope_section))
+            object.__setattr__(self, "mrope_section", _mrope_section(self.mrope_section))
         self._validate()
 
     # ------------------------------------------------------------------ validation
@@ -100,14 +101,8 @@ class Qwen35Config:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         if self.rotary_dim % 2:
             raise ValueError(f"rotary dim head_dim*partial_rotary_factor = {self.rotary_dim} must be even")
-        if self.mrope_section is not None:
-            if len(self.mrope_section) != 3 or any(s < 0 for s in self.mrope_section):
-                raise ValueError(f"mrope_section must be 3 non-negative ints, got {self.mrope_section}")
-            if sum(self.mrope_section) > self.rotary_dim // 2:
-                raise ValueError(
-                    f"mrope_section {self.mrope_section} sums past rotary_dim/2 = {self.rotary_dim // 2}")
-            if not self.mrope_interleaved:
-                raise ValueError("mrope_interleaved=False is not implemented (Qwen3.5 uses interleaved mrope)")
+        if self.mrope_section is not None and not self.mrope_interleaved:
+            raise ValueError("mrope_interleaved=False is not implemented (Qwen3.5 uses interleaved mrope)")
         if self.is_moe:
             positive("num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size")
             if self.num_experts_per_tok > self.num_experts:
@@ -232,6 +227,18 @@ class Qwen35Config:
         return cls(**{**PRESETS[name], **overrides})
 
 
+def _mrope_section(section: Any) -> tuple[int, int, int]:
+    """(t, h, w) as 3 non-negative ints. Any sizes: like transformers, the interleaved layout stops at
+    rotary_dim / 2 (see layers/rope.py), so sections wider than the rotary dims are accepted."""
+    try:
+        ints = tuple(operator.index(s) for s in section)
+    except TypeError:
+        ints = ()
+    if len(ints) != 3 or min(ints) < 0:
+        raise ValueError(f"mrope_section must be 3 non-negative integers (t, h, w), got {section!r}")
+    return ints
+
+
 def _parse_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
     """HF config.json dict -> Qwen35Config kwargs; anything we do not implement is a ValueError."""
     model_type = raw.get("model_type")
@@ -268,7 +275,7 @@ def _parse_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
         raise ValueError(f"rope_type {rope_type!r} is not supported (only default)")
     rope_theta = rope.get("rope_theta", get("rope_theta", 10_000.0))
     partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25))
-    mrope_section = rope.get("mrope_section", [11, 11, 10])
+    mrope_section = rope.get("mrope_section", [11, 11, 10])  # transformers' default, whatever the rotary dim
     mrope_interleaved = bool(rope.get("mrope_interleaved", True))
 
     num_layers = int(get("num_hidden_layers", 32 if not is_moe else 40))
@@ -289,7 +296,7 @@ def _parse_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
         rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
         rope_theta=float(rope_theta),
         partial_rotary_factor=float(partial),
-        mrope_section=tuple(mrope_section) if mrope_section is not None else None,
+        mrope_section=mrope_section,
         mrope_interleaved=mrope_interleaved,
         tie_word_embeddings=bool(tie) if tie is not None else False,
         layer_types=tuple(layer_types),

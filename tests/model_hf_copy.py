@@ -8,12 +8,14 @@ import torch
 import transformers
 from flax import nnx
 
+from float64_reference import float64_copy
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.model import Qwen35ForCausalLM
 
 
 def build_hf(config: Qwen35Config, seed: int = 0):
-    """A transformers model of `config` (via to_hf_dict), float32, every parameter randomised."""
+    """A transformers model of `config` (via to_hf_dict) in float64, every parameter a random float32 value, so
+    that our float32 copy holds exactly its numbers."""
     d = config.to_hf_dict()
     d.pop("architectures")
     hf_config = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
@@ -29,7 +31,7 @@ def build_hf(config: Qwen35Config, seed: int = 0):
                 p.copy_(torch.randn_like(p) * 0.1)
             else:
                 p.copy_(torch.randn_like(p) * (0.1 if p.ndim < 2 else 0.05))
-    return model, hf_config
+    return float64_copy(model), hf_config
 
 
 def _hf_name(path: tuple, block: int, period: int) -> str:

@@ -80,6 +80,42 @@ def test_rope_parameters_are_read():
     assert (cfg.rope_theta, cfg.partial_rotary_factor, cfg.mrope_section, cfg.rotary_dim) == (1234.0, 0.5, (3, 3, 2), 16)
 
 
+def test_missing_mrope_section_is_the_transformers_default_at_any_rotary_dim():
+    d = Qwen35Config.preset("tiny").to_hf_dict()
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0}
+    cfg = Qwen35Config.from_hf(d)
+    assert (cfg.rotary_dim, cfg.mrope_section) == (16, (11, 11, 10))
+    assert Qwen35Config.from_hf(cfg.to_hf_dict()) == cfg
+
+
+def _transformers_runs_with_mrope_section(section) -> bool:
+    import torch
+
+    rope = {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 1.0, "mrope_section": section}
+    hf = transformers.Qwen3_5TextConfig(vocab_size=32, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                                        layer_types=["full_attention"], rope_parameters=rope)
+    try:
+        with torch.no_grad():
+            transformers.Qwen3_5ForCausalLM(hf)(torch.arange(4)[None])
+    except (IndexError, TypeError):
+        return False
+    return True
+
+
+@pytest.mark.parametrize("section,transformers_runs", [
+    ([2, 2], False), ([1, 1.5, 1], False), ("abc", False),  # transformers' rotary fails on these too
+    ([1, -1, 1], True), ([1, 1, 1, 1], True),  # transformers slices these to something no (t, h, w) section means
+])
+def test_malformed_mrope_section_is_a_one_line_error(section, transformers_runs):
+    assert _transformers_runs_with_mrope_section(section) is transformers_runs
+    d = Qwen35Config.preset("tiny").to_hf_dict()
+    d["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": section}
+    with pytest.raises(ValueError, match="mrope_section must be 3 non-negative integers") as err:
+        Qwen35Config.from_hf(d)
+    assert "\n" not in str(err.value)
+
+
 @pytest.mark.parametrize("layer_types,period", [
     (("full_attention",) * 4, 1),
     (("linear_attention",) * 3 + ("full_attention",), 4),

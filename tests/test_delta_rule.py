@@ -1,4 +1,4 @@
-"""Chunked gated delta rule == per-token recurrence == the transformers reference; documents reset."""
+"""Chunked gated delta rule == per-token recurrence == the transformers reference in float64; documents reset."""
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +10,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_recurrent_gated_delta_rule,
 )
 
+from float64_reference import torch_float64
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 
 B, HK, HV, DK, DV = 2, 2, 4, 8, 8
@@ -66,20 +67,24 @@ def test_chunked_equals_recurrent_random_documents(S, chunk_size):
 @pytest.mark.parametrize("S", [7, 70])
 def test_matches_transformers_reference(S):
     q, k, v, g, beta, state = _inputs(S, seed=1)
-    t = [torch.from_numpy(x) for x in (q, k, v, g, beta, state)]
-    o_rec, s_rec = torch_recurrent_gated_delta_rule(
-        *t[:3], g=t[3], beta=t[4], initial_state=t[5], output_final_state=True
-    )
-    o_chk, s_chk = torch_chunk_gated_delta_rule(
-        *t[:3], g=t[3], beta=t[4], initial_state=t[5], output_final_state=True, chunk_size=16
-    )
+    t = [torch.from_numpy(x.astype(np.float64)) for x in (q, k, v, g, beta, state)]
+    with torch_float64():
+        o_rec, s_rec = torch_recurrent_gated_delta_rule(
+            *t[:3], g=t[3], beta=t[4], initial_state=t[5], output_final_state=True
+        )
+        o_chk, s_chk = torch_chunk_gated_delta_rule(
+            *t[:3], g=t[3], beta=t[4], initial_state=t[5], output_final_state=True, chunk_size=16
+        )
     qs = q * DK**-0.5  # ours takes q already scaled
+    # Our float32 outputs and states vs the float64 truth: measured max 1.9e-7 (values up to 1.6) on AMD EPYC;
+    # 2e-6 leaves 10x headroom.
+    atol = 2e-6
     o, s = recurrent_gated_delta_rule(qs, k, v, g, beta, initial_state=state)
-    _close(o, o_rec.numpy())
-    _close(s, s_rec.numpy())
+    _close(o, o_rec.numpy(), atol)
+    _close(s, s_rec.numpy(), atol)
     o, s = chunked_gated_delta_rule(qs, k, v, g, beta, initial_state=state, chunk_size=16)
-    _close(o, o_chk.numpy())
-    _close(s, s_chk.numpy())
+    _close(o, o_chk.numpy(), atol)
+    _close(s, s_chk.numpy(), atol)
 
 
 @pytest.mark.parametrize("fn", ["recurrent", "chunked"])

@@ -127,13 +127,19 @@ def test_logits_match_transformers(hf, name):
     import torch
     import transformers as tf
 
-    ref_model = tf.AutoModelForCausalLM.from_pretrained(hf[name], dtype=torch.float32).eval()
+    from float64_reference import float64_copy, torch_float64
+
+    ref_model = float64_copy(tf.AutoModelForCausalLM.from_pretrained(hf[name], dtype=torch.float32))
     tokens = np.random.default_rng(1).integers(0, 128, (2, 11))
-    with torch.no_grad():
-        ref = ref_model(input_ids=torch.tensor(tokens)).logits.float().numpy()
+    ids = torch.tensor(tokens)
+    with torch.no_grad(), torch_float64():
+        ref = ref_model(input_ids=ids).logits.numpy()
     model, _ = load_model(hf[name])
     got = np.asarray(model.logits(model(jnp.asarray(tokens, jnp.int32))))
-    np.testing.assert_allclose(got, ref, atol=1e-4, rtol=1e-4)
+    # Our float32 logits vs the float64 truth: these weights (std 0.3) amplify float32 rounding through 8
+    # layers; measured max 7.6e-5 dense and 3.4e-5 MoE (logits up to 6.2) on AMD EPYC. 5e-4 leaves 6x headroom,
+    # while rms_norm_eps 1e-5 instead of 1e-6 is off by 3.9 and doubling rope_theta by 0.14.
+    np.testing.assert_allclose(got, ref, atol=5e-4, rtol=0)
 
 
 @pytest.mark.parametrize("name", ["dense-bfloat16", "moe_tied-float32", "moe_fused-float32"])

@@ -25,6 +25,7 @@ def test_grouped_experts_equal_per_expert_loop():
     weights, ids = route(jnp.asarray(logits), k, normalize=True)
     got = np.asarray(grouped_experts(jnp.asarray(x), weights, ids, jnp.asarray(gate_up), jnp.asarray(down)))
 
+    x, gate_up, down, logits = (a.astype(np.float64) for a in (x, gate_up, down, logits))  # the reference in float64
     probs = np.exp(logits - logits.max(-1, keepdims=True))
     probs /= probs.sum(-1, keepdims=True)
     want = np.zeros_like(x)
@@ -36,7 +37,9 @@ def test_grouped_experts_equal_per_expert_loop():
             h = h[:i] / (1 + np.exp(-h[:i])) * h[i:]
             want[n] += w[j] * (h @ down[ex])
     assert 4 not in np.asarray(ids)
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    # Our float32 experts vs the float64 loop: a few float32 ulps of outputs up to 37, measured max 3.7e-6 on
+    # AMD EPYC; 4e-5 leaves 10x headroom.
+    np.testing.assert_allclose(got, want, rtol=0, atol=4e-5)
 
 
 def test_router_and_norms_compute_in_float32():
