@@ -133,3 +133,14 @@ def test_batches_do_not_depend_on_the_worker_count(corpus):
         again = _take(workers, 4)
     assert _same(got, expected)
     assert _same(again, expected[4:])
+
+
+def test_jsonl_processes_read_disjoint_parts_that_cover_the_rows(tmp_path):
+    rows = [{"input_ids": [k + 1] * 3} for k in range(24)]  # row k's tokens are all k + 1
+    path = write_jsonl(str(tmp_path / "ids.jsonl"), rows)
+    seen = []
+    for i in range(2):
+        with _open(path, shard_index=i, shard_count=2, seq_len=6, batch_size=4) as shard:
+            tokens = np.concatenate([b["tokens"] for b in _take(shard, 3)])  # 6 rows of 2 docs: one epoch
+            seen.append(set(tokens[tokens > 0].tolist()))
+    assert not seen[0] & seen[1] and seen[0] | seen[1] == set(range(1, 25))
