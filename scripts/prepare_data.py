@@ -11,26 +11,7 @@ import sys
 
 from qwen35_jax.data.packing import LONG_ROW_POLICIES
 from qwen35_jax.data.pipeline import BAD_ROW_POLICIES
-from qwen35_jax.data.prepare import describe, prepare_dataset
-
-
-def vocab_size_of(tokenizer_dir: str, given: int | None) -> int:
-    """The model vocabulary ids must fit: --vocab-size, else the directory's config.json, else the tokenizer's."""
-    if given is not None:
-        return given
-    import json
-    import os
-
-    config = os.path.join(tokenizer_dir, "config.json")
-    if os.path.isfile(config):
-        with open(config) as f:
-            data = json.load(f)
-        size = data.get("vocab_size") or data.get("text_config", {}).get("vocab_size")
-        if size:
-            return int(size)
-    from qwen35_jax.data.rows import load_tokenizer
-
-    return len(load_tokenizer(tokenizer_dir))
+from qwen35_jax.data.prepare import default_vocab_size, describe, prepare_dataset
 
 
 def main() -> int:
@@ -51,8 +32,9 @@ def main() -> int:
                         help="tokenising worker processes; the output does not depend on it (default 0)")
     args = parser.parse_args()
     try:
+        vocab_size = args.vocab_size or default_vocab_size(args.tokenizer)
         manifest = prepare_dataset(args.inputs, args.out, tokenizer=args.tokenizer, seq_len=args.seq_len,
-                                   vocab_size=vocab_size_of(args.tokenizer, args.vocab_size), seed=args.seed,
+                                   vocab_size=vocab_size, seed=args.seed,
                                    long_rows=args.long_rows, bad_rows=args.bad_rows, worker_count=args.workers)
     except ValueError as err:
         print(f"prepare_data.py: error: {err}", file=sys.stderr)

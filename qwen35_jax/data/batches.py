@@ -13,6 +13,7 @@ JSON-serialisable position and `set_state()` continues exactly where that stream
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,26 +26,31 @@ from qwen35_jax.data.rows import RowEncoder, check_tokenizer, load_tokenizer
 from qwen35_jax.data.sources import JsonlLines, find_jsonl_files
 
 
-class BatchStream:
+class BatchStream(abc.ABC):
     """This process's rows of each global batch: {"tokens", "segment_ids", "loss_mask"} int32 [B/n, S]."""
 
     seq_len: int
 
+    @abc.abstractmethod
     def next_batch(self) -> dict[str, np.ndarray]:
-        raise NotImplementedError
+        """The next batch; loss_mask[t] trains the prediction of tokens[t + 1]."""
 
     @property
+    @abc.abstractmethod
     def epoch(self) -> float:
-        raise NotImplementedError
+        """Epochs read so far."""
 
+    @abc.abstractmethod
     def summary(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """Counts of rows, tokens, loss tokens, truncated / split / dropped and bad rows."""
 
+    @abc.abstractmethod
     def get_state(self) -> dict[str, Any]:
-        raise NotImplementedError
+        """The position in the stream, JSON-serialisable."""
 
+    @abc.abstractmethod
     def set_state(self, state: dict[str, Any]) -> None:
-        raise NotImplementedError
+        """Continue from a `get_state()` position."""
 
     def close(self) -> None:
         pass

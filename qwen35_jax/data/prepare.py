@@ -6,6 +6,7 @@ next to it, which is renamed only after the last byte is on disk.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -20,6 +21,22 @@ from qwen35_jax.data.rows import RowEncoder, check_tokenizer, load_tokenizer
 from qwen35_jax.data.sources import JsonlLines, file_sha256, find_jsonl_files
 
 WRITE_ROWS = 256  # packed rows per write
+
+
+def default_vocab_size(tokenizer_dir: str) -> int:
+    """The vocabulary ids must fit when none is given: the directory's config.json (an HF checkpoint),
+    else the tokenizer's own size."""
+    config = os.path.join(tokenizer_dir, "config.json")
+    if os.path.isfile(config):
+        try:
+            with open(config) as f:
+                data = json.load(f)
+        except (OSError, json.JSONDecodeError) as err:
+            raise ValueError(f"{config}: not readable JSON ({err})") from None
+        size = data.get("vocab_size") or data.get("text_config", {}).get("vocab_size")
+        if size:
+            return int(size)
+    return len(load_tokenizer(tokenizer_dir))
 
 
 def _tokenizer_record(directory: str, tokenizer: Any) -> dict[str, Any]:

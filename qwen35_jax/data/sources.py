@@ -67,17 +67,24 @@ def _read_bytes(path: str) -> bytes | mmap.mmap:
         raise ValueError(f"{path}: cannot read ({err})") from None
 
 
+def _newlines(data: bytes | mmap.mmap, chunk: int = 1 << 26) -> np.ndarray:
+    """Offsets of every newline byte, scanned in chunks so a large file needs no file-sized mask."""
+    found = [np.flatnonzero(np.frombuffer(data, np.uint8, count=min(chunk, len(data) - start), offset=start)
+                            == NEWLINE) + start for start in range(0, len(data), chunk)]
+    return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+
 def _line_spans(data: bytes | mmap.mmap) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Start, end (exclusive, without the newline) and 1-based number of every non-blank line."""
-    buffer = np.frombuffer(data, dtype=np.uint8) if len(data) else np.zeros(0, np.uint8)
-    newlines = np.flatnonzero(buffer == NEWLINE)
-    starts = np.concatenate([[0], newlines + 1])
-    ends = np.concatenate([newlines, [len(buffer)]])
+    newlines = _newlines(data)
+    starts = np.concatenate([[0], newlines + 1]).astype(np.int64)
+    ends = np.concatenate([newlines, [len(data)]]).astype(np.int64)
     numbers = np.arange(1, len(starts) + 1)
-    lengths = ends - starts
-    carriage = lengths > 0
-    carriage[carriage] = buffer[ends[carriage] - 1] == ord("\r")
-    ends = ends - carriage
+    buffer = np.frombuffer(data, np.uint8) if len(data) else np.zeros(0, np.uint8)  # a view, no copy
+    nonempty = ends > starts
+    carriage_return = np.zeros(len(ends), bool)
+    carriage_return[nonempty] = buffer[ends[nonempty] - 1] == ord("\r")
+    ends -= carriage_return
     keep = ends > starts
     return starts[keep], ends[keep], numbers[keep]
 
@@ -103,8 +110,10 @@ class JsonlLines:
     def __init__(self, files: Sequence[str]):
         self.files = list(files)
         starts, ends, numbers, file_ids = [], [], [], []
+        self._data: dict[int, bytes | mmap.mmap] = {}
         for i, path in enumerate(self.files):
-            s, e, n = _line_spans(_read_bytes(path))
+            self._data[i] = _read_bytes(path)
+            s, e, n = _line_spans(self._data[i])
             starts.append(s), ends.append(e), numbers.append(n)
             file_ids.append(np.full(len(s), i, np.int32))
         self.starts = np.concatenate(starts).astype(np.int64)
@@ -114,7 +123,6 @@ class JsonlLines:
         self.lines_per_file = [len(s) for s in starts]
         if len(self.starts) == 0:
             raise ValueError(f"no rows: {', '.join(self.files)} hold only blank lines")
-        self._data: dict[int, bytes | mmap.mmap] = {}
 
     def __len__(self) -> int:
         return len(self.starts)
