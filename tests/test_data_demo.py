@@ -28,3 +28,14 @@ def test_demo_corpus_is_deterministic_and_fits_the_tiny_model(tmp_path):
     assert tokenizer.eos_token_id is not None and tokenizer.chat_template
     for prompt, right, wrong in probes():
         assert right != wrong and prompt.startswith("The ")
+
+
+def test_demo_corpus_trains_through_open_batches(tmp_path):
+    from qwen35_jax.data import open_batches
+
+    train, _, tokenizer_dir = demo_corpus(str(tmp_path))
+    with open_batches(train, seq_len=128, batch_size=8, vocab_size=256, tokenizer=tokenizer_dir) as stream:
+        batch = stream.next_batch()
+        summary = stream.summary()
+    assert batch["tokens"].shape == (8, 128) and summary["bad_rows"] == 0
+    assert 0 < batch["loss_mask"].sum() < (batch["segment_ids"] > 0).sum()
