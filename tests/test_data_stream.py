@@ -85,6 +85,8 @@ def test_jsonl_resume_mid_epoch_reproduces_the_stream(corpus):
         assert _same(_take(resumed, 30), expected)
     with _open(str(corpus), batch_size=4, shard_count=2) as other, pytest.raises(ValueError, match="process 0 of 1"):
         other.set_state(state)
+    with _open(str(corpus / "a.jsonl")) as other, pytest.raises(ValueError, match="for 100 input rows"):
+        other.set_state(state)
 
 
 def test_prepared_resume_mid_epoch_and_state_is_shard_independent(prepared):

@@ -115,7 +115,7 @@ class JsonlBatches(BatchStream):
                  long_rows: str, bad_rows: str, worker_count: int):
         if tokenizer is not None:
             check_tokenizer(load_tokenizer(tokenizer), vocab_size, source=tokenizer)
-        self.files, self.seq_len = files, seq_len
+        self.files, self.seq_len, self.worker_count = files, seq_len, worker_count
         self.shard_index, self.shard_count = shard_index, shard_count
         self.local_rows = batch_size // shard_count
         self.lines = JsonlLines(files)
@@ -141,6 +141,7 @@ class JsonlBatches(BatchStream):
 
     def get_state(self) -> dict[str, Any]:
         return {"kind": "jsonl", "shard_index": self.shard_index, "shard_count": self.shard_count,
+                "worker_count": self.worker_count, "input_rows": len(self.lines),
                 "grain": self.iterator.get_state(), "counts": self.fit.counts.to_dict(),
                 "unusable_in_a_row": self.fit.unusable_in_a_row, "last_position": self.last_position}
 
@@ -151,6 +152,12 @@ class JsonlBatches(BatchStream):
             raise ValueError(f"data state is for process {saved[0]} of {saved[1]}, this is process "
                              f"{self.shard_index} of {self.shard_count}: a JSONL stream resumes only with "
                              "the same process count (prepare the data with prepare_data.py to change it)")
+        if state["worker_count"] != self.worker_count:
+            raise ValueError(f"data state was saved with {state['worker_count']} data workers, this run has "
+                             f"{self.worker_count}: a JSONL stream resumes with the same worker count")
+        if state["input_rows"] != len(self.lines):
+            raise ValueError(f"data state is for {state['input_rows']} input rows, {', '.join(self.files)} "
+                             f"hold {len(self.lines)}: the files changed")
         self.iterator.set_state(state["grain"])
         self.fit.counts = RowCounts.from_dict(state["counts"])  # after set_state, which re-reads rows
         self.fit.unusable_in_a_row = int(state["unusable_in_a_row"])
