@@ -73,6 +73,31 @@ def test_template_without_markers_uses_prefix_rendering():
     assert with_markers[0].tolist() == without[0].tolist() and with_markers[1].tolist() == without[1].tolist()
 
 
+# Like Qwen3's templates: the assistant turns after the last user message open with an empty thinking
+# block, earlier ones do not, so a prefix of the conversation is not always the start of the whole.
+THINKING_TEMPLATE = (
+    "{%- set ns = namespace(last_user=0) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'assistant' and loop.index0 > ns.last_user -%}"
+    "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- else -%}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def test_prefix_rendering_follows_a_template_that_rewrites_earlier_turns():
+    import copy
+
+    tok = copy.deepcopy(demo_tokenizer())
+    tok.chat_template = THINKING_TEMPLATE
+    ids, mask = assistant_mask(tok, CHAT)
+    trained = tok.decode(ids[mask == 1])
+    assert trained == "The fox eats berries.<|im_end|>\n<think>\n\n</think>\n\nMice.<|im_end|>\n"
+
+
 @pytest.mark.parametrize("line, reason", [
     (b'{"text": "unterminated', "invalid JSON"),
     (b'[1, 2]', "expected a JSON object"),

@@ -5,7 +5,9 @@ Two ways to find them, which agree on a template that supports both:
   (`apply_chat_template(..., return_assistant_tokens_mask=True)`).
 - Without markers (Qwen's own templates have none): render the conversation prefix by prefix. The
   assistant's part of turn i is what `messages[:i + 1]` adds to `messages[:i]` plus the generation
-  prompt; the template must render each prefix as the start of the whole conversation.
+  prompt. A template that renders a turn differently once later turns follow (Qwen3's drop the empty
+  thinking block of earlier turns) is followed into the whole conversation: the turn then ends where
+  its content, and what the template writes after it, end there.
 """
 
 from __future__ import annotations
@@ -55,12 +57,30 @@ def assistant_spans_by_prefixes(tokenizer: Any, messages: list[dict]) -> tuple[s
             continue
         before = _render(tokenizer, messages[:i], generation_prompt=True)
         through = _render(tokenizer, messages[:i + 1])
-        if not (through.startswith(before) and full.startswith(through)):
+        if not (through.startswith(before) and full.startswith(before)):
             raise ChatTemplateError(
                 f"chat template does not render message {i} as a continuation of the messages before it, "
                 "so its assistant tokens cannot be found; use a template with {% generation %} markers")
-        spans.append((len(before), len(through)))
+        if full.startswith(through):
+            spans.append((len(before), len(through)))
+        else:
+            spans.append((len(before), _turn_end_in_full(full, through, len(before), message["content"], i)))
     return full, spans
+
+
+def _turn_end_in_full(full: str, through: str, start: int, content: str, index: int) -> int:
+    """Where assistant message `index` ends in `full` when the template renders it differently once more
+    messages follow (Qwen3's templates keep the empty thinking block only after the last user turn):
+    the end of its content in `full` plus what the template writes after the content (`<|im_end|>\n`)."""
+    at_through, at_full = through.rfind(content), full.find(content, start)
+    if content and at_through >= 0 and at_full >= 0:
+        tail = through[at_through + len(content):]
+        end = at_full + len(content)
+        if full.startswith(tail, end):
+            return end + len(tail)
+    raise ChatTemplateError(
+        f"chat template renders assistant message {index} differently once later messages follow and its "
+        "content cannot be found in the whole conversation; use a template with {% generation %} markers")
 
 
 def assistant_mask_by_prefixes(tokenizer: Any, messages: list[dict]) -> tuple[np.ndarray, np.ndarray]:

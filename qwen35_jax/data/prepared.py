@@ -47,6 +47,8 @@ class NpyRowWriter:
     def close(self) -> None:
         self._file.seek(0)
         self._file.write(self._header(self.rows))
+        self._file.flush()
+        os.fsync(self._file.fileno())
         self._file.close()
 
 
@@ -58,6 +60,8 @@ def write_manifest(directory: str, manifest: dict[str, Any]) -> None:
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump({"format": FORMAT, **manifest}, f, indent=1)
         f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def read_manifest(directory: str) -> dict[str, Any]:
