@@ -13,8 +13,6 @@ import tempfile
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
 from qwen35_jax.data.pipeline import packed_rows, stack_rows
 from qwen35_jax.data.prepared import FIELDS, NpyRowWriter, write_manifest
 from qwen35_jax.data.rows import RowEncoder, check_tokenizer, load_tokenizer

@@ -16,7 +16,6 @@ import numpy as np
 
 from qwen35_jax.data.chat_masks import ChatTemplateError, assistant_mask
 
-
 _LOADING = threading.Lock()  # grain maps rows on several threads; transformers' lazy imports are not thread-safe
 
 
