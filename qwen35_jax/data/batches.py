@@ -113,16 +113,18 @@ class JsonlBatches(BatchStream):
     def __init__(self, files: list[str], *, seq_len: int, batch_size: int, vocab_size: int,
                  tokenizer: str | None, seed: int, shuffle: bool, shard_index: int, shard_count: int,
                  long_rows: str, bad_rows: str, worker_count: int):
-        if tokenizer is not None:
-            check_tokenizer(load_tokenizer(tokenizer), vocab_size, source=tokenizer)
+        loaded = None if tokenizer is None else load_tokenizer(tokenizer)
+        if loaded is not None:
+            check_tokenizer(loaded, vocab_size, source=tokenizer)
         self.files, self.seq_len, self.worker_count = files, seq_len, worker_count
         self.shard_index, self.shard_count = shard_index, shard_count
         self.local_rows = batch_size // shard_count
         self.lines = JsonlLines(files)
+        encoder = RowEncoder(tokenizer, vocab_size, loaded=loaded)
         rows, self.fit = packed_rows(
-            self.lines, RowEncoder(tokenizer, vocab_size), seq_len=seq_len, seed=seed, shuffle=shuffle,
-            epochs=None, shard_index=shard_index, shard_count=shard_count, long_rows=long_rows,
-            bad_rows=bad_rows, worker_count=worker_count)
+            self.lines, encoder, seq_len=seq_len, seed=seed, shuffle=shuffle, epochs=None,
+            shard_index=shard_index, shard_count=shard_count, long_rows=long_rows, bad_rows=bad_rows,
+            worker_count=worker_count)
         self.iterator = iter(rows)
         self.last_position = -1
 

@@ -55,9 +55,9 @@ def prepare_dataset(inputs: str | Sequence[str], out: str, *, tokenizer: str, se
     loaded = load_tokenizer(tokenizer)
     check_tokenizer(loaded, vocab_size, source=tokenizer)
     lines = JsonlLines(files)
-    rows, fit = packed_rows(lines, RowEncoder(tokenizer, vocab_size), seq_len=seq_len, seed=seed,
-                            shuffle=True, epochs=1, shard_index=0, shard_count=1, long_rows=long_rows,
-                            bad_rows=bad_rows, worker_count=worker_count)
+    encoder = RowEncoder(tokenizer, vocab_size, loaded=loaded)
+    rows, fit = packed_rows(lines, encoder, seq_len=seq_len, seed=seed, shuffle=True, epochs=1, shard_index=0,
+                            shard_count=1, long_rows=long_rows, bad_rows=bad_rows, worker_count=worker_count)
     parent = os.path.dirname(os.path.abspath(out))
     os.makedirs(parent, exist_ok=True)
     stage = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)

@@ -55,9 +55,9 @@ class RowEncoder:
     Picklable for grain's worker processes: the tokenizer is loaded in each process on first use.
     """
 
-    def __init__(self, tokenizer_dir: str | None, vocab_size: int):
+    def __init__(self, tokenizer_dir: str | None, vocab_size: int, *, loaded: Any = None):
         self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
-        self._tokenizer = None
+        self._tokenizer = loaded  # the tokenizer of `tokenizer_dir`, when the caller has it already
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_tokenizer": None}
