@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Train a Qwen3.5 model (SFT or PPO/GRPO) on an (fsdp, sp) device mesh; resumable run directories.
 
+    python scripts/train.py                                   # the demo: tiny model, bundled corpus, runs/demo
     python scripts/train.py (--model DIR | --preset NAME) (--data PATH... | --synthetic) --out RUN [options]
     python scripts/train.py --config RUN/config.yaml          # resume RUN (or any YAML/JSON options file)
 
@@ -18,13 +19,19 @@ def main(argv: list[str] | None = None) -> int:
     from qwen35_jax.train.signals import StopRequest
 
     with StopRequest() as stop:  # before jax loads: a SIGTERM during set-up is a clean stop too
-        from qwen35_jax.train.options import build_parser, parse_options
+        from qwen35_jax.train import demo
+        from qwen35_jax.train.options import TrainOptions, build_parser, given_values
 
         parser = build_parser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
         try:
-            options = parse_options(argv, parser)
+            values = given_values(argv, parser)
+            is_demo = demo.is_demo(values)
+            options = TrainOptions(**({**demo.demo_defaults(), **values} if is_demo else values))
             from qwen35_jax.train.loop import train
-            return train(options, stop)
+            code = train(options, stop)
+            if is_demo and code == 0 and stop.signal_name is None:
+                demo.report(options)
+            return code
         except ValueError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

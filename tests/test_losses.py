@@ -128,3 +128,31 @@ def test_model_fused_log_probs_equal_full_logits():
     np.testing.assert_allclose(ent, want_ent, rtol=1e-5, atol=1e-5)
 
 
+
+
+def test_kl_estimators_against_float64_numpy():
+    rng = np.random.default_rng(0)
+    lp = rng.uniform(-6, -0.1, size=(2, 5))
+    ref = lp + rng.normal(0, 0.5, size=(2, 5))
+    log_r = lp - ref  # log p / p_ref of the sampled tokens
+    expected = {"k1": log_r, "k2": 0.5 * log_r**2, "k3": np.exp(-log_r) - 1 + log_r,
+                "low_var_kl": np.clip(np.exp(-log_r) - 1 + log_r, -10, 10)}
+    for name, want in expected.items():
+        got = losses.kl_penalty(jnp.asarray(lp, jnp.float32), jnp.asarray(ref, jnp.float32), name)
+        # float32 inputs: exp and differences of values ~6 carry ~1e-6 relative rounding
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+    with pytest.raises(ValueError, match="KL estimator must be one of"):
+        losses.kl_penalty(jnp.zeros(2), jnp.zeros(2), "k4")
+
+
+def test_policy_loss_adds_the_kl_penalty_and_needs_ref_log_probs():
+    lp = jnp.log(jnp.array([[0.5, 0.25]]))
+    ref = jnp.log(jnp.array([[0.25, 0.25]]))
+    mask = jnp.ones((1, 2))
+    base, _ = losses.policy_loss(lp, lp, jnp.array([1.0]), mask)
+    with_kl, m = losses.policy_loss(lp, lp, jnp.array([1.0]), mask, ref_log_probs=ref, kl_coef=0.5,
+                                    kl_estimator="k1")
+    np.testing.assert_allclose(m["kl"], np.log(2) / 2, rtol=1e-6)
+    np.testing.assert_allclose(with_kl - base, 0.5 * np.log(2) / 2, rtol=1e-6)
+    with pytest.raises(ValueError, match="kl_coef > 0 needs ref_log_probs"):
+        losses.policy_loss(lp, lp, jnp.array([1.0]), mask, kl_coef=0.1)

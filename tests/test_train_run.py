@@ -265,3 +265,23 @@ def test_export_hf_of_a_run_directory_loads_in_transformers_and_scores(straight_
     theirs = torch.log_softmax(logits, -1)[:, :-1].gather(-1, torch.as_tensor(tokens)[:, 1:, None])[..., 0]
     # our float32 scoring of the trained weights vs transformers in float64: float32 rounding only
     np.testing.assert_allclose(ours, theirs.numpy(), atol=1e-4)
+
+
+def jsonl_corpus(directory: Path) -> tuple[Path, list[str]]:
+    """Text and chat rows of varied lengths (the demo tokenizer fits the tiny preset's vocabulary)."""
+    from qwen35_jax.data.demo import demo_corpus
+
+    train_files, _, tokenizer = demo_corpus(str(directory))
+    return Path(tokenizer), [str(p) for p in train_files]
+
+
+def test_jsonl_data_resumes_mid_epoch_with_the_rows_of_the_uninterrupted_run(tmp_path):
+    tokenizer, files = jsonl_corpus(tmp_path / "corpus")
+    options = dict(BASE, synthetic=False, data=files, tokenizer=str(tokenizer))
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    assert run_train(straight, steps=4, **options) == 0
+    assert run_train(resumed, steps=2, **options) == 0
+    state = json.loads((resumed / "checkpoints" / "2" / "meta" / "metadata").read_text())["train"]["data_state"]
+    assert state  # the stream's position travels in the checkpoint
+    assert run_train(resumed, steps=4, **options) == 0
+    np.testing.assert_allclose(losses(resumed), losses(straight), rtol=1e-6)

@@ -217,17 +217,19 @@ def build_parser(description: str = "", epilog: str = "") -> argparse.ArgumentPa
     return parser
 
 
+def given_values(argv: list[str] | None, parser: argparse.ArgumentParser | None = None) -> dict[str, Any]:
+    """The options `argv` sets: those of `--config FILE`, overridden by the flags given."""
+    given = vars((parser or build_parser()).parse_args(argv))
+    config_path = given.pop("config", None)
+    values = read_config_file(os.fspath(config_path)) if config_path is not None else {}
+    values.update(given)
+    return values
+
+
 def parse_options(argv: list[str] | None, parser: argparse.ArgumentParser | None = None,
                   defaults: dict[str, Any] | None = None) -> TrainOptions:
     """Options from `defaults`, then `--config FILE`, then the flags in `argv` (each overriding the last)."""
-    parser = parser or build_parser()
-    given = vars(parser.parse_args(argv))
-    config_path = given.pop("config", None)
-    values = dict(defaults or {})
-    if config_path is not None:
-        values.update(read_config_file(os.fspath(config_path)))
-    values.update(given)
-    return TrainOptions(**values)
+    return TrainOptions(**{**(defaults or {}), **given_values(argv, parser)})
 
 
 def differences(stored: dict[str, Any], options: TrainOptions) -> list[str]:

@@ -63,6 +63,10 @@ def _open(paths: list[str], options: TrainOptions, *, config: Qwen35Config, batc
         raise ValueError(f"--objective {options.objective} needs {', '.join(fields)} per token: give a .npy "
                          "directory (docs/training.md), not text or a prepared dataset")
     from qwen35_jax.data import open_batches
+    from qwen35_jax.data.prepared import is_prepared
+    if jax.process_count() > 1 and not all(is_prepared(p) for p in paths):
+        raise ValueError("JSONL data is read on the fly by one process only; for a multi-process run, "
+                         "pack it once with scripts/prepare_data.py and pass that directory")
     return open_batches(paths, seq_len=options.seq_len, batch_size=batch_size, vocab_size=config.vocab_size,
                         tokenizer=options.tokenizer or options.model, seed=options.seed, shuffle=shuffle,
                         shard_index=shard_index, shard_count=shard_count, long_rows=options.long_rows,

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
-"""The main job on its embedded default: a tiny Qwen3.5 end to end, on 8 simulated CPU devices.
+"""The Hugging Face walk-through: a tiny Qwen3.5 exported, imported, scored and exported back, on 8 simulated CPU devices.
 
-    python scripts/demo.py [--workdir runs/demo] [--preset tiny]
+    python scripts/hf_roundtrip.py [--workdir runs/hf-roundtrip] [--preset tiny]
 
 1. builds a random model from a preset and exports it as a Hugging Face checkpoint (safetensors);
 2. imports that checkpoint with scripts/import_hf.py into our orbax format;
@@ -32,7 +32,7 @@ def tool(name: str, *args: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workdir", type=Path, default=Path("runs/demo"), help="where files go (replaced)")
+    parser.add_argument("--workdir", type=Path, default=Path("runs/hf-roundtrip"), help="where files go (replaced)")
     parser.add_argument("--preset", default="tiny", help="model preset (default: tiny)")
     args = parser.parse_args()
 
