@@ -285,3 +285,32 @@ def test_jsonl_data_resumes_mid_epoch_with_the_rows_of_the_uninterrupted_run(tmp
     assert state  # the stream's position travels in the checkpoint
     assert run_train(resumed, steps=4, **options) == 0
     np.testing.assert_allclose(losses(resumed), losses(straight), rtol=1e-6)
+
+
+def test_prepared_dataset_trains_and_bf16_compute_keeps_float32_masters(tmp_path):
+    from qwen35_jax.checkpoint import load_checkpoint
+
+    tokenizer, files = jsonl_corpus(tmp_path / "corpus")
+    prepared = tmp_path / "packed"
+    result = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), *files, "--tokenizer",
+                             str(tokenizer), "--seq-len", "32", "--out", str(prepared)],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    out = tmp_path / "run"
+    assert run_train(out, steps=2, synthetic=False, data=[str(prepared)], compute_dtype="bfloat16") == 0
+    assert np.isfinite(losses(out)).all()
+    _, config, _ = load_checkpoint(str(out))
+    assert (config.param_dtype, config.dtype) == ("float32", "bfloat16")
+
+
+def test_a_failing_pallas_kernel_names_the_fallback_flags(monkeypatch):
+    import jax
+
+    from qwen35_jax.kernel_choices import explain_compile_failure
+
+    err = RuntimeError("Mosaic failed to compile kernel\nlong trace")
+    assert explain_compile_failure(err, attention="auto", logprob_backend="auto") is None  # CPU: XLA anyway
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    hint = explain_compile_failure(err, attention="auto", logprob_backend="xla")
+    assert "rerun with --attention xla" in hint and "Mosaic failed" in hint and "\n" not in hint
+    assert explain_compile_failure(err, attention="xla", logprob_backend="xla") is None
