@@ -1,10 +1,14 @@
-"""Qwen3.5 decoder stack: embed -> scan over the repeating block of layers (under remat) -> final norm."""
+"""Qwen3.5 decoder stack: embed -> scan over the repeating block of layers (under the config's remat
+policy) -> final norm."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import Attention
@@ -13,6 +17,7 @@ from qwen35_jax.layers.mlp import MLP
 from qwen35_jax.layers.moe import SparseMoeBlock
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import rope_cos_sin
+from qwen35_jax.layers.tiling import tiled_over_sequence
 from qwen35_jax.parallel.local import token_local
 from qwen35_jax.parallel.mesh import ACT_BSD, FSDP, SP, auto_mesh, constrain, mesh_axis_size
 from qwen35_jax.parallel.padding import pad_inputs, strip
@@ -42,9 +47,30 @@ class DecoderLayer(nnx.Module):
         else:
             h = self.self_attn(h, cos, sin, segment_ids)
         x = constrain(x + h, ACT_BSD)
-        h = self.post_attention_layernorm(x)
-        h = token_local(self.mlp, h) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h)
-        return constrain(x + h, ACT_BSD)
+        if isinstance(self.mlp, SparseMoeBlock):  # tiles its own tokens inside token_local
+            return constrain(x + token_local(self.mlp, self.post_attention_layernorm(x)), ACT_BSD)
+        return constrain(tiled_over_sequence(DecoderLayer.feed_forward, self, x), ACT_BSD)
+
+    def feed_forward(self, x: jax.Array) -> jax.Array:
+        """x + mlp(post_attention_layernorm(x)): token-local, so it may run tile by tile. [B, S, D] -> [B, S, D]"""
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+LAYER_INPUT = "decoder_layer_input"  # checkpoint name of every layer's input under remat "offload"
+
+
+def _offload_layer_inputs() -> Callable[..., bool]:
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host")
+
+
+def check_offload_supported() -> None:
+    """One-line ValueError unless the default device has a `pinned_host` memory to offload to."""
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ValueError(f"remat 'offload' needs a 'pinned_host' memory on {jax.devices()[0].platform}, "
+                         f"which has {sorted(kinds)}; use remat 'nested'")
 
 
 class Block(nnx.Module):
@@ -52,11 +78,19 @@ class Block(nnx.Module):
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
         p = config.block_period
+        self.remat = config.remat
         self.layers = nnx.List([DecoderLayer(config, config.layer_types[j], rngs=rngs) for j in range(p)])
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """x: [B, S, D] -> [B, S, D]; every layer under its own checkpoint for remat layer/nested/offload."""
+        per_layer = self.remat in ("layer", "nested", "offload")
         for layer in self.layers:
-            x = layer(x, cos, sin, segment_ids)
+            if self.remat == "offload":
+                x = checkpoint_name(x, LAYER_INPUT)
+            if per_layer:
+                x = nnx.remat(lambda layer, x: layer(x, cos, sin, segment_ids))(layer, x)
+            else:
+                x = layer(x, cos, sin, segment_ids)
         return x
 
 
@@ -115,8 +149,14 @@ class Qwen35ForCausalLM(nnx.Module):
         def step(block: Block, x: jax.Array) -> jax.Array:
             return block(x, cos, sin, segment_ids)
 
-        if self.config.remat:
+        remat = self.config.remat
+        if remat in ("full", "nested"):
             step = nnx.remat(step)
+        elif remat == "dots":
+            step = nnx.remat(step, policy=jax.checkpoint_policies.dots_saveable)
+        elif remat == "offload":
+            check_offload_supported()
+            step = nnx.remat(step, policy=_offload_layer_inputs())
 
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
         def run(block: Block, x: jax.Array) -> jax.Array:
