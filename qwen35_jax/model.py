@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import Attention
@@ -94,6 +95,32 @@ class Block(nnx.Module):
         return x
 
 
+def embed_lookup(table: jax.Array, tokens: jax.Array, dtype: str) -> jax.Array:
+    """table [V, D], tokens [B, S] int -> [B, S, D] rows of the table in `dtype`.
+
+    Under a mesh the table is split over its hidden dim on all F * sp devices, each device looks up
+    its slice for every token and one all-to-all hands each device its own [B/F, S/sp, D] rows. A
+    gather from the vocabulary-sharded table would instead build (and, for the gradient, reduce) a
+    whole-sequence [B, S, D] array on every device. B and S are multiples of F and sp (padded).
+    """
+    mesh = auto_mesh()
+    fsdp, sp = mesh_axis_size(mesh, FSDP), mesh_axis_size(mesh, SP)
+    n, (b, s), d = fsdp * sp, tokens.shape, table.shape[1]
+    if mesh is None or d % n or b % fsdp or s % sp:
+        return jnp.take(table.astype(dtype), tokens, axis=0)
+    table = constrain(table, P(None, (FSDP, SP)))
+
+    def local(t: jax.Array, tok: jax.Array) -> jax.Array:  # t [V, D/n], tok [B, S] -> [B/F, S/sp, D]
+        x = jnp.take(t.astype(dtype), tok, axis=0)  # [B, S, D/n]
+        x = x.reshape(fsdp, b // fsdp, sp, s // sp, d // n).transpose(0, 2, 1, 3, 4)
+        x = x.reshape(n, b // fsdp, s // sp, d // n)  # [device, B/F, S/sp, D/n], devices fsdp-major
+        x = jax.lax.all_to_all(x, (FSDP, SP), 0, 0)  # x[j]: hidden slice j of this device's tokens
+        return jnp.moveaxis(x, 0, 2).reshape(b // fsdp, s // sp, d)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(None, (FSDP, SP)), P()), out_specs=ACT_BSD,
+                         check_vma=False)(table, tokens)
+
+
 def document_positions(segment_ids: jax.Array) -> jax.Array:
     """[B, S] -> [B, S] int32 positions restarting at 0 at every document start."""
     s = segment_ids.shape[1]
@@ -144,7 +171,7 @@ class Qwen35ForCausalLM(nnx.Module):
         if positions.ndim == 2 and self.config.mrope_section is not None:
             positions = jnp.broadcast_to(positions, (3, *positions.shape))  # text: t = h = w
         cos, sin = rope_cos_sin(positions, self.config)  # [B, S, R]
-        x = constrain(self.embed_tokens(tokens), ACT_BSD)  # [B, S, D]
+        x = constrain(embed_lookup(self.embed_tokens.embedding[...], tokens, self.config.dtype), ACT_BSD)  # [B, S, D]
 
         def step(block: Block, x: jax.Array) -> jax.Array:
             return block(x, cos, sin, segment_ids)

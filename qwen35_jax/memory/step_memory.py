@@ -21,6 +21,8 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.attention_kernels import attention_implementation
+from qwen35_jax.layers.tiling import DEFAULT_SEQUENCE_TILE, sequence_tile
 from qwen35_jax.labels import IGNORE, next_token_labels
 from qwen35_jax.losses import sft_loss
 from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
@@ -86,13 +88,14 @@ def _follow_params(opt_state: Any, flat_params: dict[tuple[Any, ...], Any]) -> A
     return jax.tree.map_with_path(one, opt_state)
 
 
-def make_pure_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation):
+def make_pure_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
+                         lm_head_mode: str = "gather"):
     """(params, opt_state, tokens [B, S], segment_ids [B, S]) -> (params, opt_state, loss)."""
 
     def step(params: Any, opt_state: Any, tokens: jax.Array, segment_ids: jax.Array):
         def loss_fn(params: Any) -> jax.Array:
             model = nnx.merge(graphdef, nnx.State(params))
-            log_probs, _ = score_tokens(model, tokens, segment_ids)  # [B, S]
+            log_probs, _ = score_tokens(model, tokens, segment_ids, lm_head_mode=lm_head_mode)  # [B, S]
             mask = (next_token_labels(tokens, segment_ids) != IGNORE).astype(jnp.float32)
             return sft_loss(log_probs, mask)[0]
 
@@ -109,9 +112,14 @@ def default_optimizer() -> optax.GradientTransformation:
 
 
 def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *,
-                       gdn_mode: str = "all_to_all", batch: int | None = None,
+                       gdn_mode: str = "all_to_all", attention: str = "pallas", tile: int | None = DEFAULT_SEQUENCE_TILE,
+                       lm_head_mode: str = "gather", batch: int | None = None,
                        devices: list[Any] | None = None) -> tuple[Any, float]:
-    """Lower and compile the whole train step for one [batch, seq] batch (batch default: fsdp)."""
+    """Lower and compile the whole train step for one [batch, seq] batch (batch default: fsdp).
+
+    attention: the implementation traced (`attention_implementation`); "pallas" is the GPU flash
+    kernel, which on CPU lowers in interpret mode (no [S, S] or [block, S] scores), the path an H200
+    runs. tile: `sequence_tile` (None: untiled). lm_head_mode: as `score_tokens` takes it."""
     fsdp, sp = mesh_shape
     devs = list(jax.devices() if devices is None else devices)[: fsdp * sp]
     mesh = make_mesh(mesh_shape, devices=devs)
@@ -119,12 +127,12 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     graphdef, params, opt_state = abstract_train_state(config, mesh, tx)
     b = fsdp if batch is None else batch
     tokens = jax.ShapeDtypeStruct((b, seq), jnp.int32, sharding=NamedSharding(mesh, TOKENS_BS))
-    step = make_pure_train_step(graphdef, tx)
+    step = make_pure_train_step(graphdef, tx, lm_head_mode=lm_head_mode)
     out_shardings = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_state),
                      NamedSharding(mesh, jax.sharding.PartitionSpec()))
     start = time.time()
     mode = gdn_sp_mode(gdn_mode) if sp > 1 else contextlib.nullcontext()
-    with jax.set_mesh(mesh), mode:
+    with jax.set_mesh(mesh), mode, attention_implementation(attention), sequence_tile(tile):
         compiled = jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings).lower(
             params, opt_state, tokens, tokens).compile()
     return compiled, time.time() - start
