@@ -95,6 +95,9 @@ class Block(nnx.Module):
         return x
 
 
+EMBED_SCOPE = "embed_lookup"
+
+
 def embed_lookup(table: jax.Array, tokens: jax.Array, dtype: str) -> jax.Array:
     """table [V, D], tokens [B, S] int -> [B, S, D] rows of the table in `dtype`.
 
@@ -117,8 +120,9 @@ def embed_lookup(table: jax.Array, tokens: jax.Array, dtype: str) -> jax.Array:
         x = jax.lax.all_to_all(x, (FSDP, SP), 0, 0)  # x[j]: hidden slice j of this device's tokens
         return jnp.moveaxis(x, 0, 2).reshape(b // fsdp, s // sp, d)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=(P(None, (FSDP, SP)), P()), out_specs=ACT_BSD,
-                         check_vma=False)(table, tokens)
+    with jax.named_scope(EMBED_SCOPE):
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, (FSDP, SP)), P()), out_specs=ACT_BSD,
+                             check_vma=False)(table, tokens)
 
 
 def document_positions(segment_ids: jax.Array) -> jax.Array:

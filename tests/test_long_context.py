@@ -173,3 +173,74 @@ def test_sequence_tile_rejects_negative():
     with pytest.raises(ValueError, match="sequence tile must be >= 0"):
         with sequence_tile(-1):
             pass
+
+
+# ---------------------------------------------------------------------------- memory reader and search
+def test_train_step_memory_matches_the_parameter_count():
+    """The compiled step's arguments are exactly the float32 parameters and both AdamW moments,
+    ZeRO-3 sharded over 4 devices, plus the batch; temporaries grow with S."""
+    from qwen35_jax.memory.budget import total_parameters
+    from qwen35_jax.memory.step_memory import step_memory
+
+    config = tiny(remat="nested", dtype="bfloat16")
+    devices = jax.devices()[:4]
+    short = step_memory(config, 64, (1, 4), devices=devices)
+    long = step_memory(config, 256, (1, 4), devices=devices)
+    graphdef, state = nnx.split(Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)))
+    shardings = state_shardings(nnx.to_pure_dict(state), make_mesh((1, 4), devices=devices))
+    per_device = sum(int(np.prod(s.shard_shape(x.shape))) * 4 for x, s in zip(
+        jax.tree.leaves(nnx.to_pure_dict(state)), jax.tree.leaves(shardings)))
+    batch_bytes = 2 * 64 * 4  # tokens and segment ids, int32, replicated shapes [1, 64]
+    assert total_parameters(config) == sum(x.size for x in jax.tree.leaves(state))
+    # parameters + mu + nu (+ scalar counts) + batch; outputs alias the donated state
+    assert 3 * per_device <= short.arguments <= 3 * per_device + batch_bytes + 64
+    assert short.aliased >= 3 * per_device
+    assert long.temporaries > short.temporaries
+    assert short.total == short.arguments + short.outputs + short.temporaries - short.aliased
+
+
+def fake_measure(fixed: int, per_token: int):
+    from qwen35_jax.memory.step_memory import StepMemory
+
+    calls = []
+
+    def measure(seq: int) -> StepMemory:
+        calls.append(seq)
+        return StepMemory(seq=seq, arguments=fixed, outputs=0, temporaries=per_token * seq, aliased=0, compile_s=0.0)
+
+    return measure, calls
+
+
+@pytest.mark.parametrize("start", [256, 1024, 1 << 20])
+def test_search_finds_the_longest_fitting_multiple(start):
+    from qwen35_jax.memory.search import longest_fitting
+
+    measure, calls = fake_measure(fixed=1000, per_token=3)
+    limit = 1000 + 3 * 100_000  # fits up to S = 100,000
+    best, tried = longest_fitting(measure, limit, start=start, granule=64)
+    assert best.total <= limit and best.seq % 64 == 0
+    assert best.seq == 100_000 // 64 * 64  # affine memory: the prediction is exact
+    assert len(calls) == len(set(calls)) and len(calls) <= 16
+
+
+def test_search_reports_nothing_when_even_the_shortest_does_not_fit():
+    from qwen35_jax.memory.search import longest_fitting
+
+    measure, _ = fake_measure(fixed=10_000, per_token=1)
+    best, tried = longest_fitting(measure, 5_000, start=1024, granule=64)
+    assert best is None and min(m.seq for m in tried) == 64
+
+
+@pytest.mark.parametrize("text, value", [("141GB", 141 * 10**9), ("80GiB", 80 * 2**30), ("1.5e9", 1_500_000_000),
+                                         ("512 MiB", 512 * 2**20)])
+def test_parse_bytes(text, value):
+    from qwen35_jax.memory.search import parse_bytes
+
+    assert parse_bytes(text) == value
+
+
+def test_parse_bytes_rejects_garbage():
+    from qwen35_jax.memory.search import parse_bytes
+
+    with pytest.raises(ValueError, match="bad memory size"):
+        parse_bytes("lots")
