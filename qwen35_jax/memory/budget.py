@@ -16,23 +16,26 @@ def parameter_counts(config: Qwen35Config) -> dict[str, int]:
     """Elements of the embedding, the lm_head (0 when tied) and one decoder layer of each kind."""
     c = config
     d = c.hidden_size
-    gdn = (d * (2 * c.linear_num_key_heads * c.linear_key_head_dim + 2 * c.linear_num_value_heads
-                * c.linear_value_head_dim + 2 * c.linear_num_value_heads)
-           + c.linear_num_value_heads * c.linear_value_head_dim * d)
-    attn = d * c.num_attention_heads * c.head_dim * 2 + 2 * d * c.num_key_value_heads * c.head_dim \
-        + c.num_attention_heads * c.head_dim * d
+    conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    value_dim = c.linear_num_value_heads * c.linear_value_head_dim
+    gdn = (d * (conv_dim + value_dim + 2 * c.linear_num_value_heads) + value_dim * d  # projections
+           + c.linear_conv_kernel_dim * conv_dim + 2 * c.linear_num_value_heads + c.linear_value_head_dim)
+    attn = (d * c.num_attention_heads * c.head_dim * 2 + 2 * d * c.num_key_value_heads * c.head_dim
+            + c.num_attention_heads * c.head_dim * d + 2 * c.head_dim)
+    norms = 2 * d  # input and post-attention RMSNorm of every layer
     if c.is_moe:
         mlp = (c.num_experts * 3 * d * c.moe_intermediate_size + 3 * d * c.shared_expert_intermediate_size
                + d * c.num_experts + d)
     else:
         mlp = 3 * d * c.intermediate_size
     return {"embedding": c.vocab_size * d, "lm_head": 0 if c.tie_word_embeddings else c.vocab_size * d,
-            "linear_attention": gdn + mlp, "full_attention": attn + mlp, "mlp": mlp}
+            "final_norm": d, "linear_attention": gdn + mlp + norms, "full_attention": attn + mlp + norms,
+            "mlp": mlp}
 
 
 def total_parameters(config: Qwen35Config) -> int:
     p = parameter_counts(config)
-    return p["embedding"] + p["lm_head"] + sum(p[kind] for kind in config.layer_types)
+    return p["embedding"] + p["lm_head"] + p["final_norm"] + sum(p[kind] for kind in config.layer_types)
 
 
 def gdn_bytes_per_token(config: Qwen35Config) -> int:
