@@ -225,7 +225,7 @@ def test_search_finds_the_longest_fitting_multiple(start):
 def test_search_reports_nothing_when_even_the_shortest_does_not_fit():
     from qwen35_jax.memory.search import longest_fitting
 
-    measure, _ = fake_measure(fixed=10_000, per_token=1)
+    measure, _ = fake_measure(fixed=1_000, per_token=100)
     best, tried = longest_fitting(measure, 5_000, start=1024, granule=64)
     assert best is None and min(m.seq for m in tried) == 64
 
@@ -243,3 +243,11 @@ def test_parse_bytes_rejects_garbage():
 
     with pytest.raises(ValueError, match="bad memory size"):
         parse_bytes("lots")
+
+
+def test_search_stops_when_the_state_alone_does_not_fit():
+    from qwen35_jax.memory.search import longest_fitting
+
+    measure, calls = fake_measure(fixed=10_000, per_token=1)
+    best, _ = longest_fitting(measure, 5_000, start=1 << 16, granule=64)
+    assert best is None and calls == [1 << 16]

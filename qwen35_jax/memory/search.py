@@ -29,6 +29,8 @@ def longest_fitting(measure: Callable[[int], StepMemory], limit: int, *, start: 
                     ) -> tuple[StepMemory | None, list[StepMemory]]:
     """(the longest measured S with total <= limit, or None; every measurement).
 
+    None also when the step's arguments (parameters and optimizer state) alone exceed the limit.
+
     start: the first power of two tried; granule: lengths are multiples of it (e.g. sp * chunk).
     """
     tried: dict[int, StepMemory] = {}
@@ -42,8 +44,8 @@ def longest_fitting(measure: Callable[[int], StepMemory], limit: int, *, start: 
         return tried[seq]
 
     seq = start
-    if at(seq).total > limit:  # halve down to a fit
-        while seq // 2 >= granule and at(seq).total > limit:
+    if at(seq).total > limit:  # halve down to a fit, unless the state alone is already too big
+        while seq // 2 >= granule and at(seq).total > limit and at(seq).arguments <= limit:
             seq //= 2
         if at(seq).total > limit:
             return None, list(tried.values())
