@@ -228,6 +228,9 @@ def test_search_reports_nothing_when_even_the_shortest_does_not_fit():
     measure, _ = fake_measure(fixed=1_000, per_token=100)
     best, tried = longest_fitting(measure, 5_000, start=1024, granule=64)
     assert best is None and min(m.seq for m in tried) == 64
+    temporaries_too_big = lambda seq: dataclasses.replace(measure(seq), temporaries=9_000 + seq)  # noqa: E731
+    best, tried = longest_fitting(temporaries_too_big, 5_000, start=1 << 16, granule=64)
+    assert best is None and len(tried) == 2  # S = 0 intercept 10,000 > 5,000 after one halving
 
 
 @pytest.mark.parametrize("text, value", [("141GB", 141 * 10**9), ("80GiB", 80 * 2**30), ("1.5e9", 1_500_000_000),

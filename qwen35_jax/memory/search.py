@@ -29,7 +29,8 @@ def longest_fitting(measure: Callable[[int], StepMemory], limit: int, *, start: 
                     ) -> tuple[StepMemory | None, list[StepMemory]]:
     """(the longest measured S with total <= limit, or None; every measurement).
 
-    None also when the step's arguments (parameters and optimizer state) alone exceed the limit.
+    Halving stops early, with None, when the step's arguments (parameters and optimizer state)
+    alone exceed the limit, or when the line through the last two lengths is above it at S = 0.
 
     start: the first power of two tried; granule: lengths are multiples of it (e.g. sp * chunk).
     """
@@ -47,6 +48,8 @@ def longest_fitting(measure: Callable[[int], StepMemory], limit: int, *, start: 
     if at(seq).total > limit:  # halve down to a fit, unless the state alone is already too big
         while seq // 2 >= granule and at(seq).total > limit and at(seq).arguments <= limit:
             seq //= 2
+            if at(seq).total > limit and 2 * at(seq).total - at(2 * seq).total > limit:
+                break  # the affine fit's S = 0 intercept is over the limit: no S fits
         if at(seq).total > limit:
             return None, list(tried.values())
         low, high = seq, seq * 2
