@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -40,7 +40,6 @@ class StepMemory:
     temporaries: int
     aliased: int
     compile_s: float
-    components: dict[str, int] = field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -112,8 +111,9 @@ def default_optimizer() -> optax.GradientTransformation:
 
 
 def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *,
-                       gdn_mode: str = "all_to_all", attention: str = "pallas", tile: int | None = DEFAULT_SEQUENCE_TILE,
-                       lm_head_mode: str = "gather", batch: int | None = None,
+                       gdn_mode: str = "all_to_all", attention: str = "pallas",
+                       tile: int | None = DEFAULT_SEQUENCE_TILE, lm_head_mode: str = "gather",
+                       batch: int | None = None,
                        devices: list[Any] | None = None) -> tuple[Any, float]:
     """Lower and compile the whole train step for one [batch, seq] batch (batch default: fsdp).
 
