@@ -155,7 +155,8 @@ def test_tiled_delta_rule_equals_untiled():
         assert_close(a, b, f"d{name}")
 
 
-@pytest.mark.parametrize("moe, layout", [(False, None), (False, "fsdp=2,sp=4"), (True, "fsdp=1,sp=4")])
+@pytest.mark.parametrize("moe, layout", [(False, None), (False, "fsdp=2,sp=4"),
+                                        pytest.param(True, "fsdp=1,sp=4", marks=pytest.mark.slow)])
 def test_sequence_tiled_model_equals_untiled(moe, layout):
     """Tiles of 4 tokens (MLP / MoE: per device shard; delta rule: whole chunks) against no tiling."""
     tokens, seg = batch(2, 61)
