@@ -11,6 +11,14 @@ from typing import Any, Mapping
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 DTYPES = ("float32", "bfloat16", "float16")
+# Activation checkpointing of the decoder stack (docs/parallelism.md, "Remat policies"):
+#   none    keep every activation of the forward for the backward
+#   full    recompute each block of `block_period` layers in the backward; keep block inputs only
+#   dots    like full, but keep the outputs of the matmuls (recompute only the elementwise work)
+#   layer   recompute one layer at a time; keep every layer's input
+#   nested  keep block inputs; in a block's backward keep its layers' inputs, recompute one layer at a time
+#   offload nested, with the layers' inputs kept in pinned host memory instead of the device's
+REMAT_POLICIES = ("none", "full", "dots", "layer", "nested", "offload")
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 _TEXT_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _ARCHITECTURES = {
@@ -61,9 +69,11 @@ class Qwen35Config:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     gdn_chunk_size: int = 64
-    remat: bool = True
+    remat: str = "full"  # one of REMAT_POLICIES; True / False mean "full" / "none"
 
     def __post_init__(self) -> None:
+        if isinstance(self.remat, bool):
+            object.__setattr__(self, "remat", "full" if self.remat else "none")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
         if self.mrope_section is not None:
             object.__setattr__(self, "mrope_section", _mrope_section(self.mrope_section))
@@ -116,6 +126,8 @@ class Qwen35Config:
             positive("intermediate_size")
             if self.hf_model_type not in ("qwen3_5_text", "qwen3_5"):
                 raise ValueError(f"num_experts == 0 needs a dense model type, got {self.hf_model_type!r}")
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(f"Qwen35Config.remat must be one of {REMAT_POLICIES} (or a bool), got {self.remat!r}")
         for n in ("dtype", "param_dtype"):
             if getattr(self, n) not in DTYPES:
                 raise ValueError(f"Qwen35Config.{n} must be one of {DTYPES}, got {getattr(self, n)!r}")

@@ -1,10 +1,15 @@
-"""Qwen3.5 decoder stack: embed -> scan over the repeating block of layers (under remat) -> final norm."""
+"""Qwen3.5 decoder stack: embed -> scan over the repeating block of layers (under the config's remat
+policy) -> final norm."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import Attention
@@ -13,6 +18,7 @@ from qwen35_jax.layers.mlp import MLP
 from qwen35_jax.layers.moe import SparseMoeBlock
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import rope_cos_sin
+from qwen35_jax.layers.tiling import tiled_over_sequence
 from qwen35_jax.parallel.local import token_local
 from qwen35_jax.parallel.mesh import ACT_BSD, FSDP, SP, auto_mesh, constrain, mesh_axis_size
 from qwen35_jax.parallel.padding import pad_inputs, strip
@@ -42,9 +48,30 @@ class DecoderLayer(nnx.Module):
         else:
             h = self.self_attn(h, cos, sin, segment_ids)
         x = constrain(x + h, ACT_BSD)
-        h = self.post_attention_layernorm(x)
-        h = token_local(self.mlp, h) if isinstance(self.mlp, SparseMoeBlock) else self.mlp(h)
-        return constrain(x + h, ACT_BSD)
+        if isinstance(self.mlp, SparseMoeBlock):  # tiles its own tokens inside token_local
+            return constrain(x + token_local(self.mlp, self.post_attention_layernorm(x)), ACT_BSD)
+        return constrain(tiled_over_sequence(DecoderLayer.feed_forward, self, x), ACT_BSD)
+
+    def feed_forward(self, x: jax.Array) -> jax.Array:
+        """x + mlp(post_attention_layernorm(x)): token-local, so it may run tile by tile. [B, S, D] -> [B, S, D]"""
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+LAYER_INPUT = "decoder_layer_input"  # checkpoint name of every layer's input under remat "offload"
+
+
+def _offload_layer_inputs() -> Callable[..., bool]:
+    return jax.checkpoint_policies.save_and_offload_only_these_names(
+        names_which_can_be_saved=[], names_which_can_be_offloaded=[LAYER_INPUT],
+        offload_src="device", offload_dst="pinned_host")
+
+
+def check_offload_supported() -> None:
+    """One-line ValueError unless the default device has a `pinned_host` memory to offload to."""
+    kinds = {m.kind for m in jax.devices()[0].addressable_memories()}
+    if "pinned_host" not in kinds:
+        raise ValueError(f"remat 'offload' needs a 'pinned_host' memory on {jax.devices()[0].platform}, "
+                         f"which has {sorted(kinds)}; use remat 'nested'")
 
 
 class Block(nnx.Module):
@@ -52,12 +79,50 @@ class Block(nnx.Module):
 
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
         p = config.block_period
+        self.remat = config.remat
         self.layers = nnx.List([DecoderLayer(config, config.layer_types[j], rngs=rngs) for j in range(p)])
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """x: [B, S, D] -> [B, S, D]; every layer under its own checkpoint for remat layer/nested/offload."""
+        per_layer = self.remat in ("layer", "nested", "offload")
         for layer in self.layers:
-            x = layer(x, cos, sin, segment_ids)
+            if self.remat == "offload":
+                x = checkpoint_name(x, LAYER_INPUT)
+            if per_layer:
+                x = nnx.remat(lambda layer, x: layer(x, cos, sin, segment_ids))(layer, x)
+            else:
+                x = layer(x, cos, sin, segment_ids)
         return x
+
+
+EMBED_SCOPE = "embed_lookup"
+
+
+def embed_lookup(table: jax.Array, tokens: jax.Array, dtype: str) -> jax.Array:
+    """table [V, D], tokens [B, S] int -> [B, S, D] rows of the table in `dtype`.
+
+    Under a mesh the table is split over its hidden dim on all F * sp devices, each device looks up
+    its slice for every token and one all-to-all hands each device its own [B/F, S/sp, D] rows. A
+    gather from the vocabulary-sharded table would instead build (and, for the gradient, reduce) a
+    whole-sequence [B, S, D] array on every device. B and S are multiples of F and sp (padded).
+    """
+    mesh = auto_mesh()
+    fsdp, sp = mesh_axis_size(mesh, FSDP), mesh_axis_size(mesh, SP)
+    n, (b, s), d = fsdp * sp, tokens.shape, table.shape[1]
+    if mesh is None or d % n or b % fsdp or s % sp:
+        return jnp.take(table.astype(dtype), tokens, axis=0)
+    table = constrain(table, P(None, (FSDP, SP)))
+
+    def local(t: jax.Array, tok: jax.Array) -> jax.Array:  # t [V, D/n], tok [B, S] -> [B/F, S/sp, D]
+        x = jnp.take(t.astype(dtype), tok, axis=0)  # [B, S, D/n]
+        x = x.reshape(fsdp, b // fsdp, sp, s // sp, d // n).transpose(0, 2, 1, 3, 4)
+        x = x.reshape(n, b // fsdp, s // sp, d // n)  # [device, B/F, S/sp, D/n], devices fsdp-major
+        x = jax.lax.all_to_all(x, (FSDP, SP), 0, 0)  # x[j]: hidden slice j of this device's tokens
+        return jnp.moveaxis(x, 0, 2).reshape(b // fsdp, s // sp, d)
+
+    with jax.named_scope(EMBED_SCOPE):
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(None, (FSDP, SP)), P()), out_specs=ACT_BSD,
+                             check_vma=False)(table, tokens)
 
 
 def document_positions(segment_ids: jax.Array) -> jax.Array:
@@ -110,13 +175,19 @@ class Qwen35ForCausalLM(nnx.Module):
         if positions.ndim == 2 and self.config.mrope_section is not None:
             positions = jnp.broadcast_to(positions, (3, *positions.shape))  # text: t = h = w
         cos, sin = rope_cos_sin(positions, self.config)  # [B, S, R]
-        x = constrain(self.embed_tokens(tokens), ACT_BSD)  # [B, S, D]
+        x = constrain(embed_lookup(self.embed_tokens.embedding[...], tokens, self.config.dtype), ACT_BSD)  # [B, S, D]
 
         def step(block: Block, x: jax.Array) -> jax.Array:
             return block(x, cos, sin, segment_ids)
 
-        if self.config.remat:
+        remat = self.config.remat
+        if remat in ("full", "nested"):
             step = nnx.remat(step)
+        elif remat == "dots":
+            step = nnx.remat(step, policy=jax.checkpoint_policies.dots_saveable)
+        elif remat == "offload":
+            check_offload_supported()
+            step = nnx.remat(step, policy=_offload_layer_inputs())
 
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
         def run(block: Block, x: jax.Array) -> jax.Array:

@@ -79,7 +79,7 @@ def measure(config, seq: int, sp: int, itemsize: int, gdn_mode: str) -> dict:
     memory = compiled.memory_analysis()
     ops = collectives(compiled.as_text())
     a2a = [c for c in ops if c.op == "all-to-all"]
-    passes = 3 if config.remat else 2  # forward, backward (+ remat recompute of the forward)
+    passes = 3 if config.remat != "none" else 2  # forward, backward (+ remat recompute of the forward)
     # the blocks run in a scan: the HLO holds one block's layers, executed once per block
     block = config.layer_types[: config.block_period]
     n_attn, n_gdn = block.count("full_attention"), block.count("linear_attention")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from qwen35_jax.layers.tiling import delta_rule_tile, tiled_delta_rule
 from qwen35_jax.layers.triangular import unit_lower_solve
 
 _HI = jax.lax.Precision.HIGHEST
@@ -119,6 +120,10 @@ def chunked_gated_delta_rule(
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    tile = delta_rule_tile(chunk_size)  # long sequences: tile by tile, one tile's chunks in memory at a time
+    if tile is not None and q.ndim == 4 and q.shape[1] > tile:
+        return tiled_delta_rule(chunked_gated_delta_rule, q, k, v, g, beta, segment_ids=segment_ids,
+                                initial_state=initial_state, chunk_size=chunk_size, tile=tile)
     q, k, v, g, beta, valid, doc, state = _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state)
     B, S, H, Dk = q.shape
     Dv = v.shape[-1]

@@ -8,6 +8,7 @@ from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.mlp import MLP
+from qwen35_jax.layers.tiling import tiled_over_sequence
 
 
 def route(logits: jax.Array, k: int, normalize: bool) -> tuple[jax.Array, jax.Array]:
@@ -64,7 +65,10 @@ class SparseMoeBlock(nnx.Module):
         self.shared_expert_gate = nnx.Linear(config.hidden_size, 1, **lin)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        """x: [B, S, D] -> [B, S, D]"""
+        """x: [B, S, D] -> [B, S, D]; long sequences tile by tile (routing is per token)."""
+        return tiled_over_sequence(SparseMoeBlock.route_and_mix, self, x)
+
+    def route_and_mix(self, x: jax.Array) -> jax.Array:  # [B, S, D] -> [B, S, D]
         b, s, d = x.shape
         xt = x.reshape(b * s, d)  # [T, D]
         weights, ids = route(self.gate(xt), self.top_k, self.norm_topk_prob)

@@ -1,0 +1,1 @@
+"""Per-device memory of the whole train step: compile-time analysis and an analytic per-token budget."""

@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""The longest sequence whose whole train step fits a device, by compile-time memory analysis.
+
+    python scripts/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --device-memory 141GB
+    python scripts/bench_long_context.py --preset 0.8B --mesh fsdp=1,sp=1 --seq 262144 --json
+
+The step: sequence-sharded forward, fused log-prob loss, gradients, clipping and AdamW, float32
+master weights and moments ZeRO-3 sharded, bf16 compute, one sequence per fsdp row. It is lowered
+from abstract inputs (nothing is allocated) and compiled; per device it needs arguments + outputs +
+temporaries - aliased bytes (`memory_analysis()`). Without --seq the longest S that fits
+--device-memory is searched (powers of two, then refined; every length reported was compiled).
+On a CPU host the devices are simulated; XLA:CPU buffers differently from XLA:GPU, so the figure is
+an estimate. Attention is traced as the GPU flash kernel (interpret mode on CPU).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--preset", default="9B", help="Qwen35Config preset (default 9B)")
+    parser.add_argument("--mesh", default="fsdp=1,sp=8", help="device mesh 'fsdp=F,sp=S' (default fsdp=1,sp=8)")
+    parser.add_argument("--device-memory", default="141GB", help="bytes per device, e.g. 141GB or 80GiB (default 141GB)")
+    parser.add_argument("--seq", type=int, help="check this one length instead of searching")
+    parser.add_argument("--remat", default="nested", help="remat policy (default nested; see REMAT_POLICIES)")
+    parser.add_argument("--gdn-mode", default="all_to_all", help="GDN sp mode: all_to_all or state_passing")
+    parser.add_argument("--tile", type=int, default=8192, help="sequence tile in tokens, 0 = untiled (default 8192)")
+    parser.add_argument("--start", type=int, help="first power of two of the search (default from the budget)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices when on CPU (default 8)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + f" --xla_force_host_platform_device_count={args.devices}").strip()
+    from qwen35_jax.memory.report import run
+
+    result = run(preset=args.preset, mesh=args.mesh, device_memory=args.device_memory, seq=args.seq,
+                 remat=args.remat, gdn_mode=args.gdn_mode, tile=args.tile or None, start=args.start,
+                 log=None if args.json else print)
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except ValueError as err:
+        print(f"bench_long_context: {err}", file=sys.stderr)
+        sys.exit(2)

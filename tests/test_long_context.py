@@ -1,0 +1,257 @@
+"""Long-context memory work changes no value: remat policies, sequence tiling of the MLP / MoE /
+delta rule, and the compile-time train-step memory reader.
+
+Every path is compared with the plain one (no remat, no tiling) in float32 within 1e-5 relative to
+the array's scale (summation order differs between tiles and recomputations).
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qwen35_jax.config import REMAT_POLICIES, Qwen35Config
+from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+from qwen35_jax.layers.tiling import sequence_tile
+from qwen35_jax.model import Qwen35ForCausalLM, check_offload_supported
+from qwen35_jax.parallel.mesh import make_mesh, state_shardings
+
+TOL = 1e-5
+
+
+def assert_close(got, want, what=""):
+    want = np.asarray(want)
+    scale = max(1.0, float(np.abs(want).max())) if want.size else 1.0
+    np.testing.assert_allclose(np.asarray(got), want, rtol=TOL, atol=TOL * scale, err_msg=what)
+
+
+def assert_trees_close(got, want):
+    flat_want = dict(jax.tree_util.tree_leaves_with_path(want))
+    flat_got = jax.tree_util.tree_leaves_with_path(got)
+    assert len(flat_got) == len(flat_want)
+    for path, g in flat_got:
+        assert_close(g, flat_want[path], what=jax.tree_util.keystr(path))
+
+
+def tiny(moe: bool = False, **changes) -> Qwen35Config:
+    """8 layers (two blocks of 3 GDN + 1 attention), 8 heads each so that sp = 4 and 8 work."""
+    extra = ({"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16} if moe
+             else {"intermediate_size": 64})
+    return Qwen35Config.preset(
+        "tiny-moe" if moe else "tiny", vocab_size=128, hidden_size=32, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5, mrope_section=(1, 1, 0),
+        num_hidden_layers=8, layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 2,
+        linear_num_key_heads=2, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
+        gdn_chunk_size=4, **extra, **changes)
+
+
+def batch(b: int, s: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, 128, size=(b, s)).astype(np.int32)
+    seg = np.ones((b, s), np.int32)
+    seg[0, s // 3:] = 2
+    seg[0, 2 * s // 3:] = 3
+    seg[-1, s - 3:] = 0
+    return jnp.asarray(tokens), jnp.asarray(seg)
+
+
+def value_and_grads(config: Qwen35Config, tokens, seg, mesh=None):
+    graphdef, state = nnx.split(Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)))
+
+    def loss(state):
+        hidden = nnx.merge(graphdef, state)(tokens, segment_ids=seg)  # [B, S, D]
+        return jnp.sum(jnp.sin(hidden.astype(jnp.float32))), hidden
+
+    fn = jax.jit(jax.value_and_grad(loss, has_aux=True))
+    if mesh is None:
+        (_, hidden), grads = fn(state)
+    else:
+        with jax.set_mesh(mesh):
+            (_, hidden), grads = fn(jax.device_put(state, state_shardings(state, mesh)))
+    return hidden, grads
+
+
+# ---------------------------------------------------------------------------- config
+def test_remat_accepts_bools_and_round_trips():
+    assert Qwen35Config.preset("tiny", remat=True).remat == "full"
+    assert Qwen35Config.preset("tiny", remat=False).remat == "none"
+    assert Qwen35Config.preset("tiny").remat == "full"
+    for policy in REMAT_POLICIES:
+        c = Qwen35Config.preset("tiny", remat=policy)
+        assert Qwen35Config(**dataclasses.asdict(c)) == c
+    with pytest.raises(ValueError, match="remat must be one of"):
+        Qwen35Config.preset("tiny", remat="sometimes")
+
+
+# ---------------------------------------------------------------------------- remat
+@functools.lru_cache(maxsize=None)
+def no_remat_reference():
+    return value_and_grads(tiny(remat="none"), *batch(2, 13))
+
+
+@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow),
+                                    pytest.param("dots", marks=pytest.mark.slow), "layer", "nested", "offload"])
+def test_remat_policy_equals_no_remat(policy):
+    if policy == "offload":
+        check_offload_supported()  # XLA:CPU has a pinned_host memory; a backend without one fails here
+    want = no_remat_reference()
+    got = value_and_grads(tiny(remat=policy), *batch(2, 13))
+    assert_close(got[0], want[0], "hidden")
+    assert_trees_close(got[1], want[1])
+
+
+def test_layer_remat_checkpoints_every_layer():
+    config = tiny(remat="layer")
+    model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    jaxpr = str(jax.make_jaxpr(lambda st, t: nnx.merge(graphdef, st)(t))(state, batch(1, 8)[0]))
+    assert jaxpr.count("remat") == config.block_period  # one checkpoint per layer of the scanned block
+
+
+# ---------------------------------------------------------------------------- tiling
+def delta_rule_inputs(b: int, s: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    hk, hv, dk, dv = 2, 4, 8, 6
+    q = rng.normal(size=(b, s, hk, dk)).astype(np.float32)
+    k = rng.normal(size=(b, s, hk, dk)).astype(np.float32)
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    v = rng.normal(size=(b, s, hv, dv)).astype(np.float32)
+    g = -rng.uniform(0.01, 0.5, size=(b, s, hv)).astype(np.float32)
+    beta = rng.uniform(0.1, 0.9, size=(b, s, hv)).astype(np.float32)
+    init = rng.normal(size=(b, hv, dk, dv)).astype(np.float32)
+    seg = np.ones((b, s), np.int32)
+    seg[0, 16:] = 2  # a document starting exactly on a tile edge (tile 16)
+    seg[0, 30:35] = 0  # padding across the next edge, then the same id again: a new document
+    seg[0, 35:] = 2
+    seg[1, 21:] = 3  # mid-tile start
+    seg[1, s - 5:] = 0  # trailing padding in the last, partial tile
+    return tuple(jnp.asarray(x) for x in (q, k, v, g, beta, seg, init))
+
+
+def test_tiled_delta_rule_equals_untiled():
+    q, k, v, g, beta, seg, init = delta_rule_inputs(2, 57)
+
+    def run(tile, q, k, v, g, beta, init):
+        with sequence_tile(tile):
+            out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=init,
+                                                  chunk_size=4)
+        return out, state
+
+    def loss(tile):
+        return lambda *xs: sum(jnp.sum(jnp.sin(y)) for y in run(tile, *xs))
+
+    args = (q, k, v, g, beta, init)
+    want, got = run(None, *args), run(16, *args)
+    assert_close(got[0], want[0], "outputs")
+    assert_close(got[1], want[1], "final state")
+    assert "scan[" in str(jax.make_jaxpr(lambda *xs: run(16, *xs))(*args))  # the tiled path ran
+    want_g = jax.grad(loss(None), argnums=tuple(range(6)))(*args)
+    got_g = jax.grad(loss(16), argnums=tuple(range(6)))(*args)
+    for name, a, b in zip("q k v g beta init".split(), got_g, want_g):
+        assert_close(a, b, f"d{name}")
+
+
+@pytest.mark.parametrize("moe, layout", [(False, None), (False, "fsdp=2,sp=4"),
+                                        pytest.param(True, "fsdp=1,sp=4", marks=pytest.mark.slow)])
+def test_sequence_tiled_model_equals_untiled(moe, layout):
+    """Tiles of 4 tokens (MLP / MoE: per device shard; delta rule: whole chunks) against no tiling."""
+    tokens, seg = batch(2, 61)
+    mesh = None if layout is None else make_mesh(layout, devices=jax.devices()[:8 if "2" in layout else 4])
+    config = tiny(moe, remat="layer")
+    with sequence_tile(None):
+        want = value_and_grads(config, tokens, seg, mesh)
+    with sequence_tile(4):
+        got = value_and_grads(config, tokens, seg, mesh)
+    assert_close(got[0], want[0], "hidden")
+    assert_trees_close(got[1], want[1])
+
+
+def test_sequence_tile_rejects_negative():
+    with pytest.raises(ValueError, match="sequence tile must be >= 0"):
+        with sequence_tile(-1):
+            pass
+
+
+# ---------------------------------------------------------------------------- memory reader and search
+def test_train_step_memory_matches_the_parameter_count():
+    """The compiled step's arguments are exactly the float32 parameters and both AdamW moments,
+    ZeRO-3 sharded over 4 devices, plus the batch; the donated state is aliased."""
+    from qwen35_jax.memory.budget import total_parameters
+    from qwen35_jax.memory.step_memory import step_memory
+
+    config = tiny(remat="nested", dtype="bfloat16")
+    devices = jax.devices()[:4]
+    short = step_memory(config, 64, (1, 4), devices=devices)
+    graphdef, state = nnx.split(Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)))
+    shardings = state_shardings(nnx.to_pure_dict(state), make_mesh((1, 4), devices=devices))
+    per_device = sum(int(np.prod(s.shard_shape(x.shape))) * 4 for x, s in zip(
+        jax.tree.leaves(nnx.to_pure_dict(state)), jax.tree.leaves(shardings)))
+    batch_bytes = 2 * 64 * 4  # tokens and segment ids, int32, replicated shapes [1, 64]
+    assert total_parameters(config) == sum(x.size for x in jax.tree.leaves(state))
+    # parameters + mu + nu (+ scalar counts) + batch; outputs alias the donated state
+    assert 3 * per_device <= short.arguments <= 3 * per_device + batch_bytes + 64
+    assert short.aliased >= 3 * per_device
+    assert short.temporaries > 0
+    assert short.total == short.arguments + short.outputs + short.temporaries - short.aliased
+
+
+def fake_measure(fixed: int, per_token: int):
+    from qwen35_jax.memory.step_memory import StepMemory
+
+    calls = []
+
+    def measure(seq: int) -> StepMemory:
+        calls.append(seq)
+        return StepMemory(seq=seq, arguments=fixed, outputs=0, temporaries=per_token * seq, aliased=0, compile_s=0.0)
+
+    return measure, calls
+
+
+@pytest.mark.parametrize("start", [256, 1024, 1 << 20])
+def test_search_finds_the_longest_fitting_multiple(start):
+    from qwen35_jax.memory.search import longest_fitting
+
+    measure, calls = fake_measure(fixed=1000, per_token=3)
+    limit = 1000 + 3 * 100_000  # fits up to S = 100,000
+    best, tried = longest_fitting(measure, limit, start=start, granule=64)
+    assert best.total <= limit and best.seq % 64 == 0
+    assert best.seq == 100_000 // 64 * 64  # affine memory: the prediction is exact
+    assert len(calls) == len(set(calls)) and len(calls) <= 16
+
+
+def test_search_reports_nothing_when_even_the_shortest_does_not_fit():
+    from qwen35_jax.memory.search import longest_fitting
+
+    measure, _ = fake_measure(fixed=1_000, per_token=100)
+    best, tried = longest_fitting(measure, 5_000, start=1024, granule=64)
+    assert best is None and min(m.seq for m in tried) == 64
+    temporaries_too_big = lambda seq: dataclasses.replace(measure(seq), temporaries=9_000 + seq)  # noqa: E731
+    best, tried = longest_fitting(temporaries_too_big, 5_000, start=1 << 16, granule=64)
+    assert best is None and len(tried) == 2  # S = 0 intercept 10,000 > 5,000 after one halving
+
+
+@pytest.mark.parametrize("text, value", [("141GB", 141 * 10**9), ("80GiB", 80 * 2**30), ("1.5e9", 1_500_000_000),
+                                         ("512 MiB", 512 * 2**20)])
+def test_parse_bytes(text, value):
+    from qwen35_jax.memory.search import parse_bytes
+
+    assert parse_bytes(text) == value
+
+
+def test_parse_bytes_rejects_garbage():
+    from qwen35_jax.memory.search import parse_bytes
+
+    with pytest.raises(ValueError, match="bad memory size"):
+        parse_bytes("lots")
+
+
+def test_search_stops_when_the_state_alone_does_not_fit():
+    from qwen35_jax.memory.search import longest_fitting
+
+    measure, calls = fake_measure(fixed=10_000, per_token=1)
+    best, _ = longest_fitting(measure, 5_000, start=1 << 16, granule=64)
+    assert best is None and calls == [1 << 16]
