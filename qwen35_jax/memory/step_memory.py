@@ -1,9 +1,9 @@
 """Compile-time memory of one whole train step on a (fsdp, sp) mesh, from abstract inputs only.
 
-The step is the training step of `qwen35_jax.train`, rebuilt here as a pure function of its arrays
-(parameters, AdamW state, batch) so that it lowers without any buffer: sequence-sharded forward, the
-fused log-prob kernel (`scoring.score_tokens`), the SFT loss, gradients, global-norm clipping and the
-AdamW update, float32 master weights and moments ZeRO-3 sharded over (fsdp, sp), bf16 compute.
+The step is the trainer's own (`qwen35_jax.train.step.make_train_step`, a pure function of parameters,
+AdamW state and batch), lowered from ShapeDtypeStructs so that nothing is allocated: sequence-sharded
+forward, the fused log-prob kernel, the SFT loss, gradients, global-norm clipping and the AdamW update,
+float32 master weights and moments ZeRO-3 sharded over (fsdp, sp), bf16 compute.
 Parameters and optimizer state are donated, so their outputs alias their inputs.
 """
 
@@ -23,11 +23,10 @@ from jax.sharding import NamedSharding
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention_kernels import attention_implementation
 from qwen35_jax.layers.tiling import DEFAULT_SEQUENCE_TILE, sequence_tile
-from qwen35_jax.labels import IGNORE, next_token_labels
-from qwen35_jax.losses import sft_loss
 from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
-from qwen35_jax.parallel.mesh import TOKENS_BS, make_mesh, state_shardings
-from qwen35_jax.scoring import score_tokens
+from qwen35_jax.parallel.mesh import make_mesh, state_shardings
+from qwen35_jax.train.optim import make_optimizer, make_schedule, opt_state_shardings
+from qwen35_jax.train.step import MICRO_BSS, StepOptions, make_train_step
 
 
 @dataclass(frozen=True)
@@ -57,57 +56,10 @@ def abstract_train_state(config: Qwen35Config, mesh: jax.sharding.Mesh,
     params = nnx.to_pure_dict(params)
     shardings = state_shardings(params, mesh)
     params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
-    opt_shapes = jax.eval_shape(tx.init, params)
-    replicated = NamedSharding(mesh, jax.sharding.PartitionSpec())
-
-    def place(leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:  # moments follow their parameter
-        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=replicated)
-
-    opt_state = jax.tree.map(place, opt_shapes)
-    flat_params = {tuple(p): leaf for p, leaf in _flatten(params)}
-    opt_state = _follow_params(opt_state, flat_params)
+    opt_state = jax.eval_shape(tx.init, params)
+    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt_state,
+                             opt_state_shardings(opt_state, params, mesh))
     return graphdef, params, opt_state
-
-
-def _flatten(tree: Any) -> list[tuple[tuple[Any, ...], Any]]:
-    return [(tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path), leaf)
-            for path, leaf in jax.tree.flatten_with_path(tree)[0]]
-
-
-def _follow_params(opt_state: Any, flat_params: dict[tuple[Any, ...], Any]) -> Any:
-    """Give every optimizer leaf whose path ends with a parameter's path that parameter's sharding."""
-
-    def one(path: tuple[Any, ...], leaf: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-        names = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-        for start in range(len(names)):
-            if names[start:] in flat_params:
-                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=flat_params[names[start:]].sharding)
-        return leaf
-
-    return jax.tree.map_with_path(one, opt_state)
-
-
-def make_pure_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, *,
-                         lm_head_mode: str = "gather"):
-    """(params, opt_state, tokens [B, S], segment_ids [B, S]) -> (params, opt_state, loss)."""
-
-    def step(params: Any, opt_state: Any, tokens: jax.Array, segment_ids: jax.Array):
-        def loss_fn(params: Any) -> jax.Array:
-            model = nnx.merge(graphdef, nnx.State(params))
-            log_probs, _ = score_tokens(model, tokens, segment_ids, lm_head_mode=lm_head_mode)  # [B, S]
-            mask = (next_token_labels(tokens, segment_ids) != IGNORE).astype(jnp.float32)
-            return sft_loss(log_probs, mask)[0]
-
-        loss, grads = jax.value_and_grad(loss_fn)(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
-def default_optimizer() -> optax.GradientTransformation:
-    """Clipping + AdamW, as `train.step.make_optimizer` builds it (the state is what matters here)."""
-    return optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-5, b1=0.9, b2=0.95, weight_decay=0.0))
 
 
 def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *,
@@ -123,18 +75,17 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     fsdp, sp = mesh_shape
     devs = list(jax.devices() if devices is None else devices)[: fsdp * sp]
     mesh = make_mesh(mesh_shape, devices=devs)
-    tx = default_optimizer()
+    tx = make_optimizer(make_schedule(1e-5, 1000))  # the trainer's AdamW + clipping: its state is what counts
     graphdef, params, opt_state = abstract_train_state(config, mesh, tx)
     b = fsdp if batch is None else batch
-    tokens = jax.ShapeDtypeStruct((b, seq), jnp.int32, sharding=NamedSharding(mesh, TOKENS_BS))
-    step = make_pure_train_step(graphdef, tx, lm_head_mode=lm_head_mode)
-    out_shardings = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_state),
-                     NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    batch_arrays = {name: jax.ShapeDtypeStruct((1, b, seq), jnp.int32, sharding=NamedSharding(mesh, MICRO_BSS))
+                    for name in ("tokens", "segment_ids", "loss_mask")}
+    shardings = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_state))
+    step = make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head_mode), shardings)  # the trainer's step
     start = time.time()
     mode = gdn_sp_mode(gdn_mode) if sp > 1 else contextlib.nullcontext()
     with jax.set_mesh(mesh), mode, attention_implementation(attention), sequence_tile(tile):
-        compiled = jax.jit(step, donate_argnums=(0, 1), out_shardings=out_shardings).lower(
-            params, opt_state, tokens, tokens).compile()
+        compiled = step.lower(params, opt_state, batch_arrays).compile()
     return compiled, time.time() - start
 
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import yaml
 
+from qwen35_jax.config import REMAT_POLICIES
+
 CHOICES = {
     "objective": ("sft", "ppo"),
     "kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
@@ -30,6 +32,7 @@ CHOICES = {
     "gdn_sp_mode": ("all_to_all", "state_passing"),
     "long_rows": ("truncate", "split", "drop"),
     "bad_rows": ("skip", "stop"),
+    "remat": REMAT_POLICIES,
 }
 
 
@@ -81,7 +84,8 @@ class TrainOptions:
     param_dtype: str = _opt("float32", "master weights and optimizer state dtype", "precision")
     compute_dtype: str | None = _opt(None, "matmul/activation dtype (default: bfloat16 on GPU/TPU, float32 on CPU)",
                                      "precision")
-    remat: str | None = _opt(None, "activation recomputation policy (default: the model config's)", "precision")
+    remat: str | None = _opt(None, "activation recomputation: none, full, dots, layer, nested, offload "
+                                   "(docs/parallelism.md; default: the model config's, full)", "precision")
     # --- kernels and parallelism (fallbacks without editing code)
     mesh: str | None = _opt(None, "device layout 'fsdp=F,sp=S' (default: all devices on fsdp)", "parallelism")
     attention: str = _opt("auto", "attention kernel: auto, xla, pallas", "parallelism")
