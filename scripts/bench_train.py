@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -230,7 +231,7 @@ def time_side_by_side(fns: dict[str, Callable[[], None]], steps: int) -> dict[st
             fn()
             times.append(time.perf_counter() - t0)
         out[name] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-                     "warmup_s": warm}
+                     "warmup_s": warm, "load_average": os.getloadavg()[0]}
     return out
 
 
@@ -463,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         threads = f", torch {torch.__version__} with {torch.get_num_threads()} threads"
-    print(f"\njax {jax.__version__} ({jax.default_backend()}){threads}; median of {args.steps} steps after a warm-up")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"\njax {jax.__version__} ({jax.default_backend()}){threads}, {os.cpu_count()} CPUs, load average "
+          f"{load:.1f}; median of {args.steps} steps after a warm-up")
     print(table(rows))
     if breakdown:
         print("\n| piece | fwd s | fwd+bwd s | bwd / fwd |\n| --- | --- | --- | --- |")
@@ -472,7 +475,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{(r['fwd_bwd_s'] - r['fwd_s']) / r['fwd_s']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": rows, "breakdown": breakdown}, f, indent=1, default=str)
+            json.dump({"runs": rows, "breakdown": breakdown, "load_average_1min": load}, f, indent=1, default=str)
     return 0
 
 
