@@ -15,7 +15,13 @@
 #   3. attention (qwen35_jax/layers/attention_kernels.py): the Pallas Triton flash kernel with document
 #      masks against the XLA core at S = 4096, 8 query / 2 kv heads, Dh = 256, bf16 (errors against a
 #      float32 reference, forward and forward+backward time, scratch memory, a few block sizes);
-#   4. a sweep of Triton block sizes of the log-prob kernel, while time is left.
+#   4. a sweep of Triton block sizes of the log-prob kernel, while time is left;
+#   5. (scripts/bench_train.py) the train step of the 0.8B shapes, all 24 layers, bfloat16 compute, one
+#      row of 8192 tokens: tokens/s and MFU against the H200's 989 TFLOP/s dense bf16 peak; then the GDN
+#      core alone at S = 8192, 16 heads of 128, forward+backward at Precision.HIGHEST and DEFAULT, with
+#      the gradient error of DEFAULT against HIGHEST. Results in $OUT/train_step.json.
+# STAGES=kernels (1-4) or STAGES=train (5) runs one part (default both, ~12 minutes; a runner limited to
+# 10 minutes a command runs them as two commands).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./device_check_out}"
@@ -24,6 +30,9 @@ export PYTHONPATH=".:kernels${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true; } >"$OUT/nvidia_smi.txt" 2>&1
 
+STAGES="${STAGES:-kernels,train}"
+status=0
+if [[ ",$STAGES," == *,kernels,* ]]; then
 timeout "${LIMIT_S:-460}" "${PYTHON:-python3}" - "$OUT" <<'PY' 2>&1 | tee "$OUT/log.txt"
 import json, os, sys, time, traceback
 
@@ -255,6 +264,20 @@ def _():
 
 print(f"total {time.perf_counter() - START:.1f} s")
 PY
-status=$?
+status=${PIPESTATUS[0]}
+fi
+
+if [[ ",$STAGES," == *,train,* ]]; then
+  if [ "${SMOKE:-0}" = "1" ]; then  # tiny shapes, any backend
+    shape=(--preset tiny --seq 256 --core-seq 256 --core-heads 2 --core-dim 16)
+  else
+    shape=(--preset 0.8B --seq 8192 --core-seq 8192 --core-heads 16 --core-dim 128)
+  fi
+  timeout "${TRAIN_LIMIT_S:-330}" "${PYTHON:-python3}" scripts/bench_train.py "${shape[@]}" --batch 1 \
+    --dtype bfloat16 --steps 3 --skip-torch --peak-tflops 989 --cores gdn --core-precisions highest default \
+    --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step_log.txt"
+  train_status=${PIPESTATUS[0]}
+  [ "$status" -eq 0 ] && status=$train_status
+fi
 echo "exit status $status; results in $OUT"
 exit $status

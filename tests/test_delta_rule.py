@@ -11,7 +11,12 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from float64_reference import torch_float64
-from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from qwen35_jax.layers.delta_rule import (
+    chunked_gated_delta_rule,
+    gdn_precision,
+    recurrent_gated_delta_rule,
+    resolve_gdn_precision,
+)
 
 B, HK, HV, DK, DV = 2, 2, 4, 8, 8
 
@@ -151,3 +156,24 @@ def test_bad_shapes_are_named():
         recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state[:, :1])
     with pytest.raises(ValueError, match="segment_ids"):
         chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=jnp.ones((B, 4), jnp.int32))
+
+
+def test_precision_setting_per_backend_and_context():
+    assert resolve_gdn_precision() == jax.lax.Precision.HIGHEST  # "auto" on CPU
+    assert resolve_gdn_precision("default") is None  # left to jax_default_matmul_precision
+    with gdn_precision("high"):
+        assert resolve_gdn_precision() == jax.lax.Precision.HIGH
+        assert resolve_gdn_precision("highest") == jax.lax.Precision.HIGHEST
+    assert resolve_gdn_precision() == jax.lax.Precision.HIGHEST
+    with pytest.raises(ValueError, match="'tf32'"):
+        resolve_gdn_precision("tf32")
+    with pytest.raises(ValueError, match="'tf32'"), gdn_precision("tf32"):
+        pass
+
+
+def test_every_precision_setting_traces_and_agrees_on_cpu():
+    q, k, v, g, beta, state = _inputs(40, seed=6)
+    ref, _ = chunked_gated_delta_rule(q * DK**-0.5, k, v, g, beta, chunk_size=16)
+    for name in ("highest", "high", "default"):
+        out, _ = chunked_gated_delta_rule(q * DK**-0.5, k, v, g, beta, chunk_size=16, precision=name)
+        _close(out, ref)  # float32 CPU matmuls ignore the precision; conftest forces "highest" as default

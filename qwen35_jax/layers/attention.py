@@ -38,9 +38,10 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     -> [B, S, H, Dh]. Scale 1/sqrt(Dh). Query head h reads kv head h // (H // K).
     `implementation` (None: the `attention_implementation` context, default "auto") picks a flash
     kernel on GPU/TPU (`attention_kernels.py`); the XLA code below runs on CPU and is the reference.
-    Sequences longer than `block_q` run block by block of queries (each row's softmax still sees every
-    key, so the result is the same), rematerialised in the backward pass: peak memory
-    O(block_q * S) per head instead of O(S^2).
+    Sequences longer than `block_q` run block by block of queries, each against only the keys up to
+    its last query (the later ones are all masked: about half the work of every score matrix is
+    skipped), rematerialised in the backward pass: peak memory O(block_q * S) per head instead of
+    O(S^2). Each row's softmax still sees every key it may attend to, so the result is the same.
     """
     check_attention_inputs(q, k, v, segment_ids)
     name = resolve_implementation(implementation)
@@ -51,23 +52,18 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     qg = q.reshape(b, s, kh, h // kh, dh)  # [B, S, K, G, Dh]
     if s <= block_q:
         return _attend_block(qg, k, v, jnp.arange(s), segment_ids, segment_ids).reshape(b, s, h, dh)
-    nb = -(-s // block_q)
-    pad = nb * block_q - s
-    # Padded query rows get segment -1: they match no key and are dropped below.
-    qg_p = jnp.pad(qg, ((0, 0), (0, pad), (0, 0), (0, 0), (0, 0)))
-    seg_p = jnp.pad(segment_ids, ((0, 0), (0, pad)), constant_values=-1)
-    q_blocks = jnp.moveaxis(qg_p.reshape(b, nb, block_q, kh, h // kh, dh), 1, 0)  # [nb, B, Q, K, G, Dh]
-    seg_blocks = jnp.moveaxis(seg_p.reshape(b, nb, block_q), 1, 0)  # [nb, B, Q]
-    idx_blocks = jnp.arange(nb * block_q).reshape(nb, block_q)  # [nb, Q]
 
     @jax.checkpoint
-    def one(args):
-        qb, segb, idxb = args
-        return _attend_block(qb, k, v, idxb, segb, segment_ids)
+    def one(qb: jax.Array, kb: jax.Array, vb: jax.Array, idx: jax.Array, segb: jax.Array,
+            kv_segb: jax.Array) -> jax.Array:
+        return _attend_block(qb, kb, vb, idx, segb, kv_segb)
 
-    out = jax.lax.map(one, (q_blocks, seg_blocks, idx_blocks))  # [nb, B, Q, K, G, Dh]
-    out = jnp.moveaxis(out, 0, 1).reshape(b, nb * block_q, h, dh)
-    return out[:, :s]
+    outs = []
+    for start in range(0, s, block_q):  # static shapes: block i sees keys [0, end_i)
+        end = min(start + block_q, s)
+        outs.append(one(qg[:, start:end], k[:, :end], v[:, :end], jnp.arange(start, end),
+                        segment_ids[:, start:end], segment_ids[:, :end]))  # [B, Q_i, K, G, Dh]
+    return jnp.concatenate(outs, axis=1).reshape(b, s, h, dh)
 
 
 class Attention(nnx.Module):

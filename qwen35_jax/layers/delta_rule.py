@@ -18,17 +18,61 @@ document (trailing padding does not change it). All arithmetic is float32.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import functools
+from collections.abc import Iterator
+
 import jax
 import jax.numpy as jnp
 
 from qwen35_jax.layers.tiling import delta_rule_tile, tiled_delta_rule
-from qwen35_jax.layers.triangular import unit_lower_solve
+from qwen35_jax.layers.triangular import unit_lower_inverse
 
 _HI = jax.lax.Precision.HIGHEST
 
+# Matmul precision of the chunked form. "auto": "highest" on CPU (float32 matmuls there cost the same
+# at any precision), "default" elsewhere. "default" passes no precision, so `jax_default_matmul_precision`
+# decides: on GPU float32 operands then go through TF32 tensor cores ("highest" would run them as
+# several bf16 passes or without tensor cores; the GDN core at Precision.HIGHEST vs DEFAULT on an H200
+# is a stage of scripts/device_check.sh).
+GDN_PRECISIONS = ("auto", "highest", "high", "default")
+_PRECISION_OF = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH, "default": None}
+_precision: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_precision", default="auto")
 
-def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state):
-    """Validate shapes, cast to float32, repeat key heads onto value heads; make doc index/valid."""
+
+@contextlib.contextmanager
+def gdn_precision(name: str | None) -> Iterator[None]:
+    """Matmul precision (GDN_PRECISIONS) of delta rules traced inside the block; None leaves it as is.
+    Like any trace-time setting it must wrap the first trace of a jitted step."""
+    if name is None:
+        yield
+        return
+    check_gdn_precision(name)
+    token = _precision.set(name)
+    try:
+        yield
+    finally:
+        _precision.reset(token)
+
+
+def check_gdn_precision(name: str) -> None:
+    """One-line ValueError unless `name` is one of GDN_PRECISIONS."""
+    if name not in GDN_PRECISIONS:
+        raise ValueError(f"GDN matmul precision must be one of {GDN_PRECISIONS}, got {name!r}")
+
+
+def resolve_gdn_precision(name: str | None = None) -> jax.lax.Precision | None:
+    """The `precision=` argument for `name` (None: the `gdn_precision` context) on this backend."""
+    name = _precision.get() if name is None else name
+    check_gdn_precision(name)
+    if name == "auto":
+        name = "highest" if jax.default_backend() == "cpu" else "default"
+    return _PRECISION_OF[name]
+
+
+def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state, *, repeat_keys=True):
+    """Validate shapes, cast to float32, repeat key heads onto value heads (if asked); make doc index/valid."""
     if q.ndim != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, S, Hk, Dk], got q {q.shape} and k {k.shape}")
     B, S, Hk, Dk = q.shape
@@ -47,7 +91,7 @@ def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state):
 
     f32 = jnp.float32
     q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
-    if Hv != Hk:
+    if repeat_keys and Hv != Hk:
         q = jnp.repeat(q, Hv // Hk, axis=2)  # [B, S, Hv, Dk]
         k = jnp.repeat(k, Hv // Hk, axis=2)
     valid, doc = document_index(segment_ids, B, S)
@@ -112,21 +156,30 @@ def chunked_gated_delta_rule(
     segment_ids: jax.Array | None = None,  # [B, S]
     initial_state: jax.Array | None = None,  # [B, Hv, Dk, Dv]
     chunk_size: int = 64,
+    precision: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] float32, [B, Hv, Dk, Dv] float32
     """Chunked UT/WY form: intra-chunk work as batched matmuls, `lax.scan` over chunks for the state.
 
     Document boundaries are masks on the intra-chunk decay matrix, on which tokens read the carried
     state, and on which tokens (and whether the old state) enter the state carried out of a chunk.
+    Key heads are not repeated: the two Gram matrices (q k^T, k k^T) are formed once per key head and
+    broadcast over its G = Hv / Hk value heads. `precision` (see GDN_PRECISIONS; None: the
+    `gdn_precision` context) is that of the matmuls with a head-dim contraction; the triangular
+    inverse is always float32 at HIGHEST.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     tile = delta_rule_tile(chunk_size)  # long sequences: tile by tile, one tile's chunks in memory at a time
     if tile is not None and q.ndim == 4 and q.shape[1] > tile:
-        return tiled_delta_rule(chunked_gated_delta_rule, q, k, v, g, beta, segment_ids=segment_ids,
-                                initial_state=initial_state, chunk_size=chunk_size, tile=tile)
-    q, k, v, g, beta, valid, doc, state = _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state)
-    B, S, H, Dk = q.shape
-    Dv = v.shape[-1]
+        return tiled_delta_rule(functools.partial(chunked_gated_delta_rule, precision=precision), q, k, v, g, beta,
+                                segment_ids=segment_ids, initial_state=initial_state, chunk_size=chunk_size,
+                                tile=tile)
+    prec = resolve_gdn_precision(precision)
+    q, k, v, g, beta, valid, doc, state = _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state,
+                                                             repeat_keys=False)
+    B, S, Hk, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    G = Hv // Hk
     L = chunk_size
     pad = (-S) % L
     n = (S + pad) // L
@@ -135,49 +188,55 @@ def chunked_gated_delta_rule(
         x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
         return x.reshape(B, n, L, *x.shape[2:])
 
-    # Per-head tensors as [B, n, H, L, ...].
-    q, k, v = (jnp.swapaxes(chunks(x), 2, 3) for x in (q, k, v))  # [B, n, H, L, D]
-    g, beta = (jnp.swapaxes(chunks(x), 2, 3) for x in (g, beta))  # [B, n, H, L]
+    # Heads first, value heads grouped under their key head: [B, n, Hk, G, L, ...] (G = 1 for q, k).
+    q, k = (jnp.moveaxis(chunks(x), 2, 3)[:, :, :, None] for x in (q, k))  # [B, n, Hk, 1, L, Dk]
+    v = jnp.moveaxis(chunks(v).reshape(B, n, L, Hk, G, Dv), 2, 4)  # [B, n, Hk, G, L, Dv]
+    g, beta = (jnp.moveaxis(chunks(x).reshape(B, n, L, Hk, G), 2, 4) for x in (g, beta))  # [B, n, Hk, G, L]
     valid = chunks(valid, False)  # [B, n, L]
     # The no-op tail tokens take the doc index of the token before them (doc indices never decrease).
     doc = jax.lax.cummax(chunks(doc, -1).reshape(B, n * L), axis=1).reshape(B, n, L)
     # Doc index of the token just before each chunk (0 for the first: the initial state's document).
     doc_before = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), doc[:, :-1, -1]], axis=1)  # [B, n]
 
+    heads = (slice(None), slice(None), None, None)  # [B, n, ...] -> [B, n, 1, 1, ...]
     same_doc = (doc[..., :, None] == doc[..., None, :]) & valid[..., :, None] & valid[..., None, :]
     causal = jnp.tril(jnp.ones((L, L), bool))
-    pair_mask = (same_doc & causal)[:, :, None]  # [B, n, 1, L, L]
-    reads_state = (valid & (doc == doc_before[..., None]))[:, :, None]  # [B, n, 1, L]
-    writes_state = (valid & (doc == doc[..., -1:]))[:, :, None]  # [B, n, 1, L]
-    keeps_state = (doc[..., -1] == doc_before)[:, :, None]  # [B, n, 1]
+    pair_mask = (same_doc & causal)[heads]  # [B, n, 1, 1, L, L]
+    reads_state = (valid & (doc == doc_before[..., None]))[heads]  # [B, n, 1, 1, L]
+    writes_state = (valid & (doc == doc[..., -1:]))[heads]  # [B, n, 1, 1, L]
+    keeps_state = (doc[..., -1] == doc_before)[heads]  # [B, n, 1, 1]
 
-    cum = jnp.cumsum(g, axis=-1)  # [B, n, H, L]
-    diff = cum[..., :, None] - cum[..., None, :]  # [B, n, H, L, L]
+    cum = jnp.cumsum(g, axis=-1)  # [B, n, Hk, G, L]
+    diff = cum[..., :, None] - cum[..., None, :]  # [B, n, Hk, G, L, L]
     decay = jnp.where(pair_mask, jnp.exp(jnp.where(pair_mask, diff, 0.0)), 0.0)
+    kk = jnp.einsum("...id,...jd->...ij", k, k, precision=prec)  # [B, n, Hk, 1, L, L]
+    qk = jnp.einsum("...id,...jd->...ij", q, k, precision=prec)
 
-    k_beta = k * beta[..., None]
-    v_beta = v * beta[..., None]
-    # Unit lower-triangular system (I + A) with A = strict_tril(k_beta k^T * decay).
-    A = jnp.einsum("...id,...jd->...ij", k_beta, k, precision=_HI) * decay
-    rhs = jnp.concatenate([v_beta, k_beta * (jnp.exp(cum) * reads_state)[..., None]], axis=-1)
-    sol = unit_lower_solve(A, rhs)  # uses only the strict lower triangle of A
-    u, w = sol[..., :Dv], sol[..., Dv:]  # u [B, n, H, L, Dv]: new values; w [.., Dk]: decayed keys reading S
+    # Unit lower-triangular system (I + A) with A = strict_tril(k_beta k^T * decay), k_beta = beta * k.
+    inverse = unit_lower_inverse(beta[..., None] * kk * decay)  # [B, n, Hk, G, L, L]
+    read = jnp.exp(cum) * reads_state  # [B, n, Hk, G, L]
+    rhs = jnp.concatenate([v * beta[..., None], jnp.broadcast_to(k, (*v.shape[:-1], Dk)) *
+                           (beta * read)[..., None]], axis=-1)
+    sol = jnp.einsum("...ij,...jd->...id", inverse, rhs, precision=prec)
+    u, w = sol[..., :Dv], sol[..., Dv:]  # u [.., L, Dv]: new values; w [.., L, Dk]: decayed keys reading S
 
-    intra = jnp.einsum("...id,...jd->...ij", q, k, precision=_HI) * decay  # [B, n, H, L, L]
-    q_read = q * (jnp.exp(cum) * reads_state)[..., None]
+    intra = qk * decay  # [B, n, Hk, G, L, L]
+    q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
     k_write = k * (jnp.exp(cum[..., -1:] - cum) * writes_state)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, H]
+    chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
 
-    def step(S, xs):  # S [B, H, Dk, Dv]
+    def step(S, xs):  # S [B, Hv, Dk, Dv]
         u_c, w_c, q_c, k_c, intra_c, dec_c = xs
-        v_new = u_c - jnp.einsum("bhlk,bhkv->bhlv", w_c, S, precision=_HI)
-        o = jnp.einsum("bhlk,bhkv->bhlv", q_c, S, precision=_HI)
-        o = o + jnp.einsum("bhij,bhjv->bhiv", intra_c, v_new, precision=_HI)
-        S = S * dec_c[..., None, None] + jnp.einsum("bhlk,bhlv->bhkv", k_c, v_new, precision=_HI)
+        v_new = u_c - jnp.einsum("bhlk,bhkv->bhlv", w_c, S, precision=prec)
+        o = jnp.einsum("bhlk,bhkv->bhlv", q_c, S, precision=prec)
+        o = o + jnp.einsum("bhij,bhjv->bhiv", intra_c, v_new, precision=prec)
+        S = S * dec_c[..., None, None] + jnp.einsum("bhlk,bhlv->bhkv", k_c, v_new, precision=prec)
         return S, o
 
-    xs = tuple(jnp.moveaxis(x, 1, 0) for x in (u, w, q_read, k_write, intra, chunk_decay))
-    state, out = jax.lax.scan(step, state, xs)  # out [n, B, H, L, Dv]
-    out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(B, n * L, H, Dv)[:, :S]
-    return out, state
+    def scanned(x):  # [B, n, Hk, G, ...] -> [n, B, Hv, ...]
+        return jnp.moveaxis(x.reshape(B, n, Hv, *x.shape[4:]), 1, 0)
 
+    xs = tuple(scanned(x) for x in (u, w, q_read, k_write, intra, chunk_decay))
+    state, out = jax.lax.scan(step, state, xs)  # out [n, B, Hv, L, Dv]
+    out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
+    return out, state

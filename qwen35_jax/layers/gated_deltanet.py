@@ -13,32 +13,9 @@ from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, document_index
+from qwen35_jax.layers.gdn_inputs import causal_conv1d_silu, gates, l2_normalize
 from qwen35_jax.layers.norms import GatedRMSNorm, gated_rms_norm
 from qwen35_jax.parallel.ulysses import ulysses_gdn
-
-
-def causal_conv1d_silu(
-    x: jax.Array,  # [B, S, H, D]
-    kernel: jax.Array,  # [Kc, H, D]; kernel[-1] multiplies the current token
-    doc: jax.Array | None,  # [B, S] document index (see delta_rule.document_index) or None
-) -> jax.Array:  # [B, S, H, D]
-    """Depthwise causal conv1d + SiLU whose window never reaches into the previous document."""
-    Kc = kernel.shape[0]
-    S = x.shape[1]
-    xf = x.astype(jnp.float32)
-    kf = kernel.astype(jnp.float32)
-    out = xf * kf[-1]
-    for shift in range(1, min(Kc, S + 1)):
-        past = jnp.pad(xf, [(0, 0), (shift, 0), (0, 0), (0, 0)])[:, :S]  # token t - shift (zeros before 0)
-        if doc is not None:
-            same = jnp.pad(doc, [(0, 0), (shift, 0)], constant_values=-1)[:, :S] == doc  # [B, S]
-            past = jnp.where(same[..., None, None], past, 0.0)
-        out = out + past * kf[Kc - 1 - shift]
-    return jax.nn.silu(out.astype(x.dtype))
-
-
-def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:  # [..., d] float32 -> [..., d]
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def gdn_core(
@@ -87,11 +64,9 @@ def gdn_core(
     k = causal_conv1d_silu(k, conv_k, doc)
     v = causal_conv1d_silu(v, conv_v, doc)
 
-    q = _l2norm(q.astype(jnp.float32)) * Dk**-0.5
-    k = _l2norm(k.astype(jnp.float32))
-    beta = jax.nn.sigmoid(b).astype(jnp.float32)
-    g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    q = l2_normalize(q) * Dk**-0.5
+    k = l2_normalize(k)
+    beta, g = gates(b, a, A_log, dt_bias)
 
     out, _ = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk_size)
     return gated_rms_norm(out.astype(dtype), z, norm_weight, eps)  # [B, S, Hv, Dv]

@@ -1,10 +1,17 @@
-"""Solve (I + N) X = R for strictly lower-triangular N, batched: the UT transform of the delta rule.
+"""(I + N)^-1 for strictly lower-triangular N, batched: the UT transform of the delta rule, as matmuls.
 
-On GPU and TPU this is XLA's triangular solve. On CPU, XLA calls LAPACK through a kernel that
-parallelises over the batch on the same thread pool that runs the devices of a simulated multi-device
-mesh; with every device inside such a solve at once, the pool deadlocks. So the CPU path is a plain
-forward substitution over the L rows (a `fori_loop` of small matmuls), with a custom VJP whose backward
-is the transposed (backward) substitution, so the gradient stores only N and X.
+The inverse is built by block doubling, with no loop over rows: the inverse of a unit lower-triangular
+matrix [[P, 0], [C, Q]] is [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]], so starting from the 1 x 1 diagonal
+blocks (all 1), log2(L) rounds of two batched matmuls each give the inverses of the diagonal blocks
+of size 2, 4, ..., L. Solving (I + N) X = R is then one matmul, X = (I + N)^-1 R. All of it is
+float32 at `Precision.HIGHEST` on every backend (the systems are small; their accuracy bounds the
+delta rule's).
+
+Why not XLA's triangular solve: on CPU it calls LAPACK through a kernel that parallelises over the
+batch on the thread pool that also runs the devices of a simulated multi-device mesh, and with every
+device inside such a solve at once the pool deadlocks; and row-by-row substitution is L sequential
+steps of thin matmuls. The custom VJP keeps only the inverse for the backward pass:
+d N = -strict_tril(T^T dT T^T) with T = (I + N)^-1.
 """
 
 from __future__ import annotations
@@ -15,42 +22,56 @@ import jax.numpy as jnp
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _forward_substitution(n: jax.Array, r: jax.Array) -> jax.Array:
-    """X with (I + n) X = r, row by row; n [..., L, L] strictly lower, r [..., L, D] -> [..., L, D]."""
+def _diagonal_blocks(n: jax.Array, m: int) -> jax.Array:
+    """The lower-left [m, m] quarter of every diagonal [2m, 2m] block: [..., L, L] -> [..., L/2m, m, m]."""
+    *batch, L, _ = n.shape
+    nb = L // (2 * m)
+    blocks = n.reshape(*batch, nb, 2, m, nb, 2, m)[..., :, 1, :, :, 0, :]  # [..., nb, m, nb, m]
+    return jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb, m, m]
 
-    def row(i: jax.Array, x: jax.Array) -> jax.Array:
-        n_i = jax.lax.dynamic_slice_in_dim(n, i, 1, axis=-2)  # [..., 1, L]; zero from column i on
-        x_i = jax.lax.dynamic_slice_in_dim(r, i, 1, axis=-2) - jnp.matmul(n_i, x, precision=_HI)
-        return jax.lax.dynamic_update_slice_in_dim(x, x_i, i, axis=-2)
 
-    return jax.lax.fori_loop(0, n.shape[-1], row, r)
+def _inverse_by_doubling(n: jax.Array) -> jax.Array:
+    """(I + n)^-1 for n [..., L, L] strictly lower, L a power of two -> [..., L, L] unit lower."""
+    *batch, L, _ = n.shape
+    inv = jnp.ones((*batch, L, 1, 1), n.dtype)  # inverses of the [1, 1] diagonal blocks
+    m = 1
+    while m < L:
+        upper, lower = inv[..., 0::2, :, :], inv[..., 1::2, :, :]  # [..., L/2m, m, m] each
+        c = _diagonal_blocks(n, m)
+        corner = -jnp.matmul(jnp.matmul(lower, c, precision=_HI), upper, precision=_HI)
+        zeros = jnp.zeros_like(upper)
+        inv = jnp.concatenate([jnp.concatenate([upper, zeros], axis=-1),
+                               jnp.concatenate([corner, lower], axis=-1)], axis=-2)  # [..., L/2m, 2m, 2m]
+        m *= 2
+    return inv[..., 0, :, :]
 
 
 @jax.custom_vjp
-def _substitution_solve(n: jax.Array, r: jax.Array) -> jax.Array:
-    return _forward_substitution(n, r)
+def _unit_lower_inverse(n: jax.Array) -> jax.Array:
+    L = n.shape[-1]
+    size = 1 << max(L - 1, 0).bit_length()  # pad to a power of two with identity rows / columns
+    padded = jnp.pad(n, [(0, 0)] * (n.ndim - 2) + [(0, size - L), (0, size - L)])
+    return _inverse_by_doubling(padded)[..., :L, :L]
 
 
-def _substitution_fwd(n: jax.Array, r: jax.Array) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    x = _forward_substitution(n, r)
-    return x, (n, x)
+def _inverse_fwd(n: jax.Array) -> tuple[jax.Array, jax.Array]:
+    t = _unit_lower_inverse(n)
+    return t, t
 
 
-def _substitution_bwd(res: tuple[jax.Array, jax.Array], dx: jax.Array) -> tuple[jax.Array, jax.Array]:
-    n, x = res
-    # dR = (I + n)^-T dX: an upper-triangular solve, i.e. a lower one with rows and columns reversed.
-    n_rev = jnp.flip(jnp.swapaxes(n, -1, -2), axis=(-1, -2))
-    dr = jnp.flip(_forward_substitution(n_rev, jnp.flip(dx, axis=-2)), axis=-2)
-    dn = -jnp.tril(jnp.matmul(dr, jnp.swapaxes(x, -1, -2), precision=_HI), -1)
-    return dn, dr
+def _inverse_bwd(t: jax.Array, dt: jax.Array) -> tuple[jax.Array]:
+    tt = jnp.swapaxes(t, -1, -2)
+    return (-jnp.tril(jnp.matmul(jnp.matmul(tt, dt, precision=_HI), tt, precision=_HI), -1),)
 
 
-_substitution_solve.defvjp(_substitution_fwd, _substitution_bwd)
+_unit_lower_inverse.defvjp(_inverse_fwd, _inverse_bwd)
 
 
-def _xla_solve(n: jax.Array, r: jax.Array) -> jax.Array:
-    a = n + jnp.eye(n.shape[-1], dtype=n.dtype)
-    return jax.lax.linalg.triangular_solve(a, r, left_side=True, lower=True, unit_diagonal=True)
+def unit_lower_inverse(
+    n: jax.Array,  # [..., L, L] strictly lower triangular (the diagonal and above are ignored)
+) -> jax.Array:  # [..., L, L] unit lower triangular
+    """(I + n)^-1, by block doubling (see the module docstring)."""
+    return _unit_lower_inverse(jnp.tril(n, -1))
 
 
 def unit_lower_solve(
@@ -58,5 +79,4 @@ def unit_lower_solve(
     r: jax.Array,  # [..., L, D]
 ) -> jax.Array:  # [..., L, D]
     """X = (I + n)^-1 r."""
-    n = jnp.tril(n, -1)
-    return jax.lax.platform_dependent(n, r, cpu=_substitution_solve, default=_xla_solve)
+    return jnp.matmul(unit_lower_inverse(n), r, precision=_HI)

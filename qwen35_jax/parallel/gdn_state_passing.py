@@ -28,6 +28,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, document_index
+from qwen35_jax.layers.gdn_inputs import causal_conv1d_silu, gates, l2_normalize
+from qwen35_jax.layers.norms import gated_rms_norm
 from qwen35_jax.parallel.mesh import FSDP, SP, mesh_axis_size
 
 GDN_STATE_SCOPE = "gdn_state_passing"
@@ -51,10 +54,6 @@ def gdn_sp_mode(mode: str) -> Iterator[None]:
 
 def current_gdn_mode() -> str:
     return _mode.get()
-
-
-def _l2norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:  # [..., d] float32
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def _shifted_in(x: jax.Array, sp: int) -> jax.Array:
@@ -81,11 +80,6 @@ def _local_gdn(
     chunk_size: int,
     sp: int,
 ) -> jax.Array:  # [B, L, Hv, Dv]
-    # imported here: layers/gated_deltanet.py imports this package (through ulysses.py)
-    from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, document_index
-    from qwen35_jax.layers.gated_deltanet import causal_conv1d_silu
-    from qwen35_jax.layers.norms import gated_rms_norm
-
     B, L, _, Dk = q.shape
     Hv, Dv = v.shape[2:]
     Kc = conv_q.shape[0]
@@ -106,10 +100,9 @@ def _local_gdn(
         return causal_conv1d_silu(ext, w, doc)[:, h:]
 
     q, k, v = conv(q, conv_q), conv(k, conv_k), conv(v, conv_v)
-    q = _l2norm(q.astype(jnp.float32)) * Dk**-0.5
-    k = _l2norm(k.astype(jnp.float32))
-    beta = jax.nn.sigmoid(b).astype(jnp.float32)
-    g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
+    q = l2_normalize(q) * Dk**-0.5
+    k = l2_normalize(k)
+    beta, g = gates(b, a, A_log, dt_bias)
 
     rule = dict(segment_ids=segment_ids, chunk_size=chunk_size)
     out0, c_end = chunked_gated_delta_rule(q, k, v, g, beta, **rule)  # [B, L, Hv, Dv], [B, Hv, Dk, Dv]

@@ -1,0 +1,483 @@
+#!/usr/bin/env python3
+"""Train-step speed of qwen35-jax against transformers' PyTorch model, side by side in one process.
+
+    python scripts/bench_train.py [--config small|large|long ...] [--steps 5] [--remat REMAT]
+                                  [--cores [gdn attention]] [--breakdown] [--json out.json]
+    python scripts/bench_train.py --preset 0.8B --dtype bfloat16 --seq 8192 --skip-torch --peak-tflops 989
+
+Both stacks train the same architecture (random weights) on the same batch of random tokens, one
+document per row, with AdamW (lr 1e-4, betas 0.9/0.95, gradient clipping at norm 1), float32. Ours is
+the jitted `qwen35_jax.train.make_train_step` (SFT loss, fused log-prob kernel); theirs is
+transformers' `Qwen3_5ForCausalLM` on its default path (eager, default attention implementation)
+with `labels=`, `loss.backward()`, `clip_grad_norm_` and `torch.optim.AdamW`. Each time is the
+median of --steps steps after one warm-up step (ours compiles in it), ours first, then theirs. The
+ratio is theirs / ours in time, i.e. ours / theirs in tokens per second: above 1 means we are faster.
+
+--cores adds the sequence mixers alone, forward+backward at S = --core-seq: the GDN core
+(`chunked_gated_delta_rule` vs transformers' `torch_chunk_gated_delta_rule`, H = 8, d = 128) and the
+causal document-masked attention core (`attention_core` vs `scaled_dot_product_attention` with the
+same boolean mask, 4 query / 2 kv heads of 64, 2 documents). --peak-tflops adds the model FLOPs
+utilisation of our step (`train_flops`: 6 x matmul parameters x tokens + attention scores + delta rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+from qwen35_jax.config import PRESETS
+
+# name -> (model settings, batch, sequence); intermediate_size is 3.5 x hidden as in the published 0.8B.
+SMALL = dict(hidden=256, intermediate=896, layers=4, heads=4, kv_heads=2, head_dim=64, gdn_key_heads=4,
+             gdn_value_heads=8, gdn_head_dim=32, vocab=4096, mrope=(2, 3, 3))
+LARGE = dict(hidden=1024, intermediate=3584, layers=4, heads=8, kv_heads=2, head_dim=256, gdn_key_heads=16,
+             gdn_value_heads=16, gdn_head_dim=128, vocab=4096, mrope=(11, 11, 10))
+CONFIGS = {
+    "small": (SMALL, 4, 512),
+    "long": (SMALL, 1, 4096),
+    "large": (LARGE, 1, 2048),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", nargs="+", choices=sorted(CONFIGS), default=["small"],
+                   help="named configs to run, in order (default small); the flags below override the "
+                        "first one's settings")
+    p.add_argument("--preset", default=None,
+                   help="instead of --config: a Qwen35Config preset (e.g. 0.8B), all its layers")
+    for name, default in SMALL.items():
+        if name != "mrope":
+            p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                           help=f"override {name} (small: {default})")
+    p.add_argument("--batch", type=int, default=None, help="rows per step (overrides the config's)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per row (overrides the config's)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                   help="our compute dtype, parameters float32 (default float32; transformers runs float32 only)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per stack, after one warm-up (default 5)")
+    p.add_argument("--remat", default=None,
+                   help="Qwen35Config.remat of our model (default: the config's default): true/false or a "
+                        "policy name")
+    p.add_argument("--gdn-precision", default=None,
+                   help="matmul precision of our GDN core: auto, highest, high or default (default: auto, "
+                        "highest on CPU, default elsewhere)")
+    p.add_argument("--cores", nargs="*", choices=["gdn", "attention"], default=None,
+                   help="also time the sequence mixers alone (no names: both)")
+    p.add_argument("--core-seq", type=int, default=4096, help="sequence length of --cores (default 4096)")
+    p.add_argument("--core-heads", type=int, default=8, help="GDN heads of --cores (default 8)")
+    p.add_argument("--core-dim", type=int, default=128, help="GDN head dim of --cores (default 128)")
+    p.add_argument("--core-precisions", nargs="+", default=None,
+                   help="time the GDN core at each of these precisions, errors against the first")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time our pieces alone (each layer kind, mixer, MLP, delta rule, loss, model "
+                        "body) on the first config's shapes")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="the device's peak rate: adds model FLOPs utilisation (MFU) of our step")
+    p.add_argument("--skip-torch", action="store_true", help="time ours only (no ratios)")
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    args = p.parse_args(argv)
+    if args.cores == []:
+        args.cores = ["gdn", "attention"]
+    for name in ("steps", "batch", "seq", "core_seq", "core_heads", "core_dim",
+                 *(k for k in SMALL if k != "mrope")):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.dtype != "float32" and not args.skip_torch:
+        p.error("--dtype bfloat16 needs --skip-torch (the transformers side runs float32)")
+    if args.preset is not None and args.preset not in PRESETS:
+        p.error(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+    from qwen35_jax.layers.delta_rule import GDN_PRECISIONS
+
+    for value in [args.gdn_precision, *(args.core_precisions or [])]:
+        if value is not None and value not in GDN_PRECISIONS:
+            p.error(f"GDN precision {value!r} is not one of {GDN_PRECISIONS}")
+    return args
+
+
+def parse_remat(value: str | None) -> bool | str | None:
+    if value is None:
+        return None
+    low = value.lower()
+    if low in ("true", "on", "1"):
+        return True
+    if low in ("false", "off", "0"):
+        return False
+    return value
+
+
+def build_config(settings: dict, remat: bool | str | None, dtype: str = "float32"):
+    from qwen35_jax.config import Qwen35Config, hybrid_layer_types
+
+    s = settings
+    cfg = Qwen35Config(
+        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
+        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
+        head_dim=s["head_dim"], rms_norm_eps=1e-6, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
+        mrope_section=tuple(s["mrope"]), mrope_interleaved=True, tie_word_embeddings=False,
+        layer_types=hybrid_layer_types(s["layers"], 4), linear_conv_kernel_dim=4,
+        linear_key_head_dim=s["gdn_head_dim"], linear_value_head_dim=s["gdn_head_dim"],
+        linear_num_key_heads=s["gdn_key_heads"], linear_num_value_heads=s["gdn_value_heads"], num_experts=0,
+        num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
+        norm_topk_prob=False, hf_model_type="qwen3_5_text", dtype=dtype)
+    return cfg if remat is None else cfg.replace(remat=remat)
+
+
+def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
+    """(name, Qwen35Config, batch, seq) of every train step to time."""
+    from qwen35_jax.config import Qwen35Config
+
+    remat = parse_remat(args.remat)
+    if args.preset is not None:
+        config = Qwen35Config.preset(args.preset, dtype=args.dtype)
+        config = config if remat is None else config.replace(remat=remat)
+        return [(args.preset, config, args.batch or 1, args.seq or 8192)]
+    out = []
+    for i, name in enumerate(args.config):
+        settings, batch, seq = CONFIGS[name]
+        settings = dict(settings)
+        if i == 0:
+            settings.update({k: getattr(args, k) for k in SMALL if k != "mrope" and getattr(args, k) is not None})
+            batch, seq = args.batch or batch, args.seq or seq
+        out.append((name, build_config(settings, remat, args.dtype), batch, seq))
+    return out
+
+
+def train_flops(config, batch: int, seq: int) -> float:
+    """Model FLOPs of one train step (forward + backward = 3 x forward, remat recompute not counted):
+    6 x matmul parameters x tokens, plus causal attention scores and the chunked delta rule."""
+    c = config
+    d, t = c.hidden_size, batch * seq
+    attn = d * c.num_attention_heads * c.head_dim * 3 + 2 * d * c.num_key_value_heads * c.head_dim
+    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
+    gdn = d * (2 * hk * dk + hv * dv) + d * hv * dv + 2 * d * hv + hv * dv * d
+    if c.is_moe:
+        mlp = 3 * d * (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size) + d * c.num_experts
+    else:
+        mlp = 3 * d * c.intermediate_size
+    n_attn = sum(k == "full_attention" for k in c.layer_types)
+    n_gdn = c.num_hidden_layers - n_attn
+    params = n_attn * attn + n_gdn * gdn + c.num_hidden_layers * mlp + d * c.vocab_size
+    scores = n_attn * 6 * batch * seq * seq * c.num_attention_heads * c.head_dim  # causal: half of 12
+    L = c.gdn_chunk_size  # per token and value head: Gram matrices, the UT solve, intra-chunk, state in/out
+    rule = n_gdn * 6 * t * hv * (2 * L * dk + L * (dk + dv) + L * dv + 3 * dk * dv)
+    return 6.0 * params * t + scores + rule
+
+
+def ours_step(config, tokens) -> Callable[[], None]:
+    """One of our train steps on `tokens` [B, S] (int numpy), as a callable that blocks until done."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from qwen35_jax.model import Qwen35ForCausalLM
+    from qwen35_jax.parallel.mesh import create_sharded, make_mesh
+    from qwen35_jax.train import create_optimizer, make_optimizer, make_schedule, make_train_step
+
+    mesh = make_mesh((1, 1), jax.devices()[:1])
+    model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), mesh)
+    schedule = make_schedule(1e-4, 1000)
+    optimizer = create_optimizer(model, make_optimizer(schedule), mesh)
+    step = make_train_step(schedule)
+    batch = {"tokens": jnp.asarray(tokens, jnp.int32), "segment_ids": jnp.ones(tokens.shape, jnp.int32)}
+
+    def run() -> None:
+        with jax.set_mesh(mesh):
+            jax.block_until_ready(step(model, optimizer, batch))
+
+    return run
+
+
+def torch_step(config, tokens) -> Callable[[], None]:
+    """transformers' train step on the same config and tokens: eager, default attention, AdamW."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    hf_config = transformers.Qwen3_5TextConfig(**config.to_hf_dict())
+    model = transformers.Qwen3_5ForCausalLM(hf_config).float().train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
+    ids = torch.as_tensor(tokens, dtype=torch.long)
+
+    def run() -> None:
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return run
+
+
+def time_side_by_side(fns: dict[str, Callable[[], None]], steps: int) -> dict[str, dict[str, float]]:
+    """For each stack in turn: one warm-up call, then the median (and min/max) of `steps` timed calls.
+
+    One stack at a time, not alternating step by step: XLA's and torch's CPU thread pools each spin
+    for a while after their work, and interleaved they slow each other down several-fold.
+    """
+    out = {}
+    for name, fn in fns.items():
+        t0 = time.perf_counter()
+        fn()
+        warm = time.perf_counter() - t0
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        out[name] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
+                     "warmup_s": warm, "load_average": os.getloadavg()[0]}
+    return out
+
+
+def bench_config(name: str, config, batch: int, seq: int, args: argparse.Namespace) -> dict:
+    import numpy as np
+
+    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, seq))
+    fns = {"ours": ours_step(config, tokens)}
+    if not args.skip_torch:
+        fns["transformers"] = torch_step(config, tokens)
+    row = {"config": name, "batch": batch, "seq": seq, "remat": config.remat, "dtype": config.dtype,
+           "model_tflops_per_step": train_flops(config, batch, seq) / 1e12, **time_side_by_side(fns, args.steps)}
+    if args.peak_tflops:
+        row["ours"]["mfu"] = row["model_tflops_per_step"] / row["ours"]["median_s"] / args.peak_tflops
+    return row
+
+
+def bench_cores(args: argparse.Namespace) -> list[dict]:
+    """The sequence mixers alone, forward+backward of sum(out * cotangent), at S = --core-seq."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from qwen35_jax.layers.attention import attention_core
+    from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+
+    rng = np.random.default_rng(0)
+    rows = []
+    B, S = 1, args.core_seq
+    if "gdn" in args.cores:
+        # key heads = value heads; q, k L2-normalised (torch's scales q inside, ours takes it scaled)
+        H, D = args.core_heads, args.core_dim
+        q, k = (rng.standard_normal((B, S, H, D)).astype(np.float32) for _ in range(2))
+        q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+        v = rng.standard_normal((B, S, H, D)).astype(np.float32)
+        g = -np.abs(rng.standard_normal((B, S, H))).astype(np.float32) * 0.1
+        beta = (1 / (1 + np.exp(-rng.standard_normal((B, S, H))))).astype(np.float32)
+        cot = rng.standard_normal((B, S, H, D)).astype(np.float32)
+        jargs = [jnp.asarray(x) for x in (q, k, v, g, beta)]
+        grads = {}
+        for precision in args.core_precisions or [None]:
+            def gdn_loss(q, k, v, g, beta, precision=precision):
+                out, _ = chunked_gated_delta_rule(q * D**-0.5, k, v, g, beta, precision=precision)
+                return jnp.sum(out * cot)
+
+            grads[precision] = jax.jit(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
+        fns = {("ours" if p is None else f"ours {p}"): (lambda f=f: jax.block_until_ready(f(*jargs)))
+               for p, f in grads.items()}
+        if not args.skip_torch:
+            import torch
+            from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
+
+            targs = [torch.tensor(x, requires_grad=True) for x in (q, k, v, g, beta)]
+            tcot = torch.tensor(cot)
+
+            def torch_gdn() -> None:
+                out, _ = torch_chunk_gated_delta_rule(*targs)
+                torch.autograd.grad((out * tcot).sum(), targs)
+
+            fns["transformers"] = torch_gdn
+        row = {"config": "gdn_core", "settings": dict(B=B, S=S, H=H, d=D), "batch": B, "seq": S,
+               **time_side_by_side(fns, args.steps)}
+        if len(grads) > 1:  # every precision's gradients against the first one's
+            ref = [np.asarray(x, np.float64) for x in next(iter(grads.values()))(*jargs)]
+            for p, f in list(grads.items())[1:]:
+                got = f(*jargs)
+                row[f"ours {p}"]["max_rel_grad_err_vs_first"] = max(
+                    float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()) for a, b in zip(got, ref))
+        rows.append(row)
+
+    if "attention" in args.cores:
+        # 4 query / 2 kv heads of 64, two documents (cut at S / 3)
+        H, K, Dh = 4, 2, 64
+        qa = rng.standard_normal((B, S, H, Dh)).astype(np.float32)
+        ka, va = (rng.standard_normal((B, S, K, Dh)).astype(np.float32) for _ in range(2))
+        seg = (1 + (np.arange(S) >= S // 3)).astype(np.int32)[None].repeat(B, 0)
+        cot = rng.standard_normal((B, S, H, Dh)).astype(np.float32)
+
+        def attn_loss(q, k, v):
+            return jnp.sum(attention_core(q, k, v, jnp.asarray(seg)) * cot)
+
+        attn_grad = jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2)))
+        jargs_a = [jnp.asarray(x) for x in (qa, ka, va)]
+        fns = {"ours": lambda: jax.block_until_ready(attn_grad(*jargs_a))}
+        if not args.skip_torch:
+            import torch
+            import torch.nn.functional as F
+
+            tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (qa, ka, va))
+            tseg = torch.tensor(seg)
+            mask = (torch.tril(torch.ones(S, S, dtype=torch.bool)) & (tseg[:, :, None] == tseg[:, None, :]))[:, None]
+            tcot_a = torch.tensor(cot)
+
+            def torch_attn() -> None:
+                out = F.scaled_dot_product_attention(tq.transpose(1, 2), tk.transpose(1, 2), tv.transpose(1, 2),
+                                                     attn_mask=mask, enable_gqa=True).transpose(1, 2)
+                torch.autograd.grad((out * tcot_a).sum(), (tq, tk, tv))
+
+            fns["transformers"] = torch_attn
+        rows.append({"config": "attention_core", "settings": dict(B=B, S=S, H=H, K=K, Dh=Dh), "batch": B,
+                     "seq": S, **time_side_by_side(fns, args.steps)})
+    return rows
+
+
+def bench_breakdown(config, batch: int, seq: int, steps: int) -> list[dict]:
+    """Where our step's time goes: forward and forward+backward of each piece alone, jitted, on the
+    config's shapes (remat as configured only applies to the whole model)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+    from qwen35_kernels import linear_logprob_entropy
+
+    from qwen35_jax.model import DecoderLayer, Qwen35ForCausalLM
+    from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+    from qwen35_jax.layers.rope import rope_cos_sin
+
+    rng = np.random.default_rng(0)
+    B, S, D = batch, seq, config.hidden_size
+    x = jnp.asarray(rng.standard_normal((B, S, D)).astype(np.float32))
+    seg = jnp.ones((B, S), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(S), (3, B, S))
+    cos, sin = rope_cos_sin(pos, config)
+    pieces: dict[str, tuple[nnx.Module, tuple]] = {}
+
+    for kind in ("linear_attention", "full_attention"):
+        layer = DecoderLayer(config, kind, rngs=nnx.Rngs(0))
+        pieces[f"layer {kind}"] = (layer, (x, cos, sin, seg))
+        if kind == "linear_attention":
+            pieces["  mixer GatedDeltaNet"] = (layer.linear_attn, (x, seg))
+        else:
+            pieces["  mixer Attention"] = (layer.self_attn, (x, cos, sin, seg))
+        pieces["  mlp"] = (layer.mlp, (x,))
+
+    results = []
+
+    def time_piece(name: str, fwd: Callable, grad: Callable, args: tuple) -> None:
+        r = {"piece": name}
+        for label, f in (("fwd_s", fwd), ("fwd_bwd_s", grad)):
+            jax.block_until_ready(f(*args))
+            ts = []
+            for _ in range(steps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(f(*args))
+                ts.append(time.perf_counter() - t0)
+            r[label] = statistics.median(ts)
+        results.append(r)
+        print(f"{name:40s} fwd {r['fwd_s']:.3f} s  fwd+bwd {r['fwd_bwd_s']:.3f} s", flush=True)
+
+    for name, (module, inputs) in pieces.items():
+        graphdef, state = nnx.split(module)
+
+        def loss(state, *inputs, graphdef=graphdef):
+            out = nnx.merge(graphdef, state)(*inputs)
+            return jnp.sum(out * out) * 1e-3
+
+        time_piece(name, jax.jit(loss), jax.jit(jax.grad(loss, argnums=(0, 1))), (state, *inputs))
+
+    # the delta rule alone, on the GDN layer's head shapes
+    Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
+    Dk, Dv = config.linear_key_head_dim, config.linear_value_head_dim
+    q, k = (jnp.asarray(rng.standard_normal((B, S, Hk, Dk)).astype(np.float32) * Dk**-0.5) for _ in range(2))
+    v = jnp.asarray(rng.standard_normal((B, S, Hv, Dv)).astype(np.float32))
+    g = jnp.full((B, S, Hv), -0.05, jnp.float32)
+    beta = jnp.full((B, S, Hv), 0.5, jnp.float32)
+
+    def rule(q, k, v, g, beta):
+        return jnp.sum(chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=config.gdn_chunk_size)[0])
+
+    time_piece("    delta rule", jax.jit(rule), jax.jit(jax.grad(rule, argnums=(0, 1, 2, 3, 4))), (q, k, v, g, beta))
+
+    # the loss: lm_head + fused log-probs on the final hidden states
+    w = jnp.asarray(rng.standard_normal((D, config.vocab_size)).astype(np.float32) * D**-0.5)
+    labels = jnp.asarray(rng.integers(0, config.vocab_size, (B * S,)), jnp.int32)
+
+    def head(h, w):
+        lp, _ = linear_logprob_entropy(h.reshape(B * S, D), w, labels)
+        return -jnp.mean(lp)
+
+    time_piece("loss (lm_head + log-probs)", jax.jit(head), jax.jit(jax.grad(head, argnums=(0, 1))), (x, w))
+
+    # the whole model body (no loss, no optimizer)
+    model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(model)
+    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (B, S)), jnp.int32)
+
+    def body(state, tokens):
+        h = nnx.merge(graphdef, state)(tokens)
+        return jnp.sum(h * h) * 1e-3
+
+    time_piece(f"model body (remat={config.remat})", jax.jit(body), jax.jit(jax.grad(body)), (state, tokens))
+    return results
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| run | B x S | transformers s | ours s | ours tok/s | ours / theirs |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        for name in [k for k in r if k.startswith("ours")]:
+            ours = r[name]["median_s"]
+            theirs = r.get("transformers", {}).get("median_s")
+            tok = r["batch"] * r["seq"] / ours
+            ratio = f"{theirs / ours:.2f}x" if theirs else "-"
+            extra = f" (MFU {r[name]['mfu']:.1%})" if "mfu" in r[name] else ""
+            label = r["config"] + name[4:]
+            lines.append(f"| {label} | {r['batch']} x {r['seq']} | {f'{theirs:.3f}' if theirs else '-'} | "
+                         f"{ours:.3f} | {tok:,.0f}{extra} | {ratio} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import jax
+
+    from qwen35_jax.layers.delta_rule import gdn_precision
+
+    rows, breakdown = [], None
+    with gdn_precision(args.gdn_precision):
+        planned = runs(args)
+        for name, config, batch, seq in planned:
+            rows.append(bench_config(name, config, batch, seq, args))
+            print(table(rows[-1:]).splitlines()[-1], flush=True)
+        if args.cores:
+            rows.extend(bench_cores(args))
+        if args.breakdown:
+            _, config, batch, seq = planned[0]
+            breakdown = bench_breakdown(config, batch, seq, args.steps)
+    threads = ""
+    if not args.skip_torch:
+        import torch
+
+        threads = f", torch {torch.__version__} with {torch.get_num_threads()} threads"
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"\njax {jax.__version__} ({jax.default_backend()}){threads}, {os.cpu_count()} CPUs, load average "
+          f"{load:.1f}; median of {args.steps} steps after a warm-up")
+    print(table(rows))
+    if breakdown:
+        print("\n| piece | fwd s | fwd+bwd s | bwd / fwd |\n| --- | --- | --- | --- |")
+        for r in breakdown:
+            print(f"| {r['piece'].strip()} | {r['fwd_s']:.3f} | {r['fwd_bwd_s']:.3f} | "
+                  f"{(r['fwd_bwd_s'] - r['fwd_s']) / r['fwd_s']:.2f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"runs": rows, "breakdown": breakdown, "load_average_1min": load}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
