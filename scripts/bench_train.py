@@ -172,23 +172,28 @@ def train_flops(config, batch: int, seq: int) -> float:
 def ours_step(config, tokens) -> Callable[[], None]:
     """One of our train steps on `tokens` [B, S] (int numpy), as a callable that blocks until done."""
     import jax
-    import jax.numpy as jnp
+    import numpy as np
     from flax import nnx
 
     from qwen35_jax.model import Qwen35ForCausalLM
     from qwen35_jax.parallel.mesh import create_sharded, make_mesh
-    from qwen35_jax.train import create_optimizer, make_optimizer, make_schedule, make_train_step
+    from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule, make_train_step, place_batch
 
     mesh = make_mesh((1, 1), jax.devices()[:1])
     model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), mesh)
-    schedule = make_schedule(1e-4, 1000)
-    optimizer = create_optimizer(model, make_optimizer(schedule), mesh)
-    step = make_train_step(schedule)
-    batch = {"tokens": jnp.asarray(tokens, jnp.int32), "segment_ids": jnp.ones(tokens.shape, jnp.int32)}
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tx = make_optimizer(make_schedule(1e-4, 1000))
+    opt_state = init_opt_state(tx, params, mesh)
+    step = make_train_step(nnx.graphdef(model), tx, StepOptions(),
+                           jax.tree.map(lambda x: x.sharding, (params, opt_state)))
+    ones = np.ones(tokens.shape, np.int32)
+    batch = place_batch({"tokens": tokens.astype(np.int32), "segment_ids": ones, "loss_mask": ones}, mesh, 1, 1)
+    state = [params, opt_state]
 
     def run() -> None:
         with jax.set_mesh(mesh):
-            jax.block_until_ready(step(model, optimizer, batch))
+            state[0], state[1], metrics = step(state[0], state[1], batch)
+            jax.block_until_ready(metrics)
 
     return run
 

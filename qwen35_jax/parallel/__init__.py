@@ -1,44 +1,26 @@
 """fsdp x sp parallelism: the mesh and its shardings, Ulysses sequence parallelism (or GDN state
-passing), token-local modules per device, internal padding."""
+passing), token-local modules per device, internal padding.
 
-from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
-from qwen35_jax.parallel.local import token_local
-from qwen35_jax.parallel.mesh import (
-    ACT_BSD,
-    FSDP,
-    SP,
-    TOKENS_BS,
-    constrain,
-    create_sharded,
-    init_distributed,
-    make_mesh,
-    param_spec,
-    parse_mesh,
-    shard_model,
-    state_shardings,
-    valid_layouts,
-)
-from qwen35_jax.parallel.padding import pad_inputs, strip
-from qwen35_jax.parallel.ulysses import ulysses_attention, ulysses_gdn
+Names load on first use: the layers import `parallel.mesh` while `parallel.ulysses` and
+`parallel.gdn_state_passing` import the layers' mixers, so an eager package import would be circular.
+"""
 
-__all__ = [
-    "ACT_BSD",
-    "FSDP",
-    "SP",
-    "TOKENS_BS",
-    "constrain",
-    "create_sharded",
-    "gdn_sp_mode",
-    "init_distributed",
-    "make_mesh",
-    "pad_inputs",
-    "param_spec",
-    "parse_mesh",
-    "shard_model",
-    "state_shardings",
-    "strip",
-    "token_local",
-    "ulysses_attention",
-    "ulysses_gdn",
-    "valid_layouts",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "gdn_sp_mode": "gdn_state_passing", "token_local": "local", "pad_inputs": "padding", "strip": "padding",
+    "ulysses_attention": "ulysses", "ulysses_gdn": "ulysses",
+    **{name: "mesh" for name in ("ACT_BSD", "FSDP", "SP", "TOKENS_BS", "constrain", "create_sharded",
+                                 "init_distributed", "make_mesh", "param_spec", "parse_mesh", "shard_model",
+                                 "state_shardings", "valid_layouts")},
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qwen35_jax.parallel' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"qwen35_jax.parallel.{_EXPORTS[name]}"), name)
