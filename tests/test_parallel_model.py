@@ -126,7 +126,8 @@ def test_gdn_state_passing_model_matches():
         graphdef, state = model_parts(False, 2)
         with jax.set_mesh(make_mesh("fsdp=2,sp=4")):
             jaxpr = str(jax.make_jaxpr(lambda st, t: nnx.merge(graphdef, st)(t))(state, batch(2, 61)[0]))
-    assert "ppermute" in jaxpr and jaxpr.count("all_to_all") == 4  # GDN by states, attention by Ulysses
+    # GDN by states; attention by Ulysses (q, k, v in, output back) and one for the embedding lookup
+    assert "ppermute" in jaxpr and jaxpr.count("all_to_all") == 4 + 1
     assert_matches_reference(got, got_grads, False, 2, 2, 61)
 
 
