@@ -1,5 +1,5 @@
 """The README's main job: `python scripts/train.py` with no arguments trains the tiny model on the
-bundled corpus, its loss falls clearly, it shows what the model learned, and rerunning resumes. The
+bundled corpus, its loss falls clearly and it shows what the model learned. The
 HF import / score / export walk-through (scripts/hf_roundtrip.py) runs end to end too."""
 
 import json
@@ -20,7 +20,8 @@ def demo_env(tmp_path: Path) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_training_demo_learns_and_resumes(tmp_path):
+def test_training_demo_learns(tmp_path):
+    """40 steps of the demo; resuming a run directory is the same code path, tested in test_train_run."""
     out = tmp_path / "demo"
     train = [sys.executable, str(ROOT / "scripts" / "train.py"), "--out", str(out)]
     result = subprocess.run([*train, "--steps", "40"], capture_output=True, text=True, timeout=900,
@@ -32,11 +33,6 @@ def test_training_demo_learns_and_resumes(tmp_path):
     assert any(r.get("eval_loss") for r in rows)
     assert (out / "loss.png").is_file() and (out / "checkpoints" / "40").is_dir()
     assert "what the model learned" in result.stdout and "trained:" in result.stdout
-
-    result = subprocess.run([*train, "--steps", "42"], capture_output=True, text=True, timeout=900,
-                            env=demo_env(tmp_path), cwd=tmp_path)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert f"resuming {out} from step 40" in result.stdout and "trained steps 41-42 of 42" in result.stdout
 
 
 @pytest.mark.slow
