@@ -48,6 +48,17 @@ class RunCheckpoints:
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
 
+    def model_config(self) -> dict[str, Any] | None:
+        """The model config of the run (the same in every checkpoint), read from the newest checkpoint
+        whose metadata reads, so that a damaged newest one still leaves the run resumable."""
+        from qwen35_jax.checkpoint import read_metadata
+        for step in reversed(self.steps()):
+            try:
+                return read_metadata(os.path.join(self.directory, str(step)))["config"]
+            except (ValueError, OSError, KeyError):
+                continue
+        return None
+
     def save(self, step: int, params: Any, opt_state: Any, meta: dict[str, Any]) -> None:
         """Start writing step `step` in the background (training goes on; `wait` blocks until done)."""
         meta = {"format": FORMAT, "version": VERSION, **meta}

@@ -135,10 +135,9 @@ def prepare(options: TrainOptions) -> Run:
                         b1=options.adam_b1, b2=options.adam_b2, eps=options.adam_eps)
     checkpoints = RunCheckpoints(options.out, keep=options.keep) if resuming else None
     restored = None
-    if checkpoints is not None and checkpoints.steps():
-        from qwen35_jax.checkpoint import read_metadata
-        newest = os.path.join(checkpoints.directory, str(checkpoints.steps()[-1]))
-        config = Qwen35Config(**read_metadata(newest)["config"])
+    stored_config = checkpoints.model_config() if checkpoints is not None else None
+    if stored_config is not None:
+        config = Qwen35Config(**stored_config)
         abstract = _abstract_params(config, mesh)
         abstract_opt = jax.eval_shape(tx.init, abstract)
         abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt,
