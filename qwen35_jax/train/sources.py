@@ -30,7 +30,10 @@ def _synthetic(options: TrainOptions, config: Qwen35Config, batch_size: int, mes
     """The run's random rows, made once and kept in RUN/synthetic/ (PPO's old log-probs come from the
     starting model, which a resumed run no longer has)."""
     directory = os.path.join(options.out, SYNTHETIC_DIR)
-    if os.path.isfile(os.path.join(directory, "tokens.npy")):
+    written = os.path.isfile(os.path.join(directory, "tokens.npy"))
+    # Every process looks before the lead writes: one that looked after would skip the sync below.
+    sync_processes("qwen35_synthetic_checked")
+    if written:
         return {k: np.asarray(v) for k, v in load_npy_dir(directory).items()}
     data = synthetic_data(batch_size, options.seq_len, config.vocab_size, objective=options.objective,
                           seed=options.seed)
