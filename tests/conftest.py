@@ -1,4 +1,5 @@
-"""Test set-up: eight simulated CPU devices, float32 matmuls at full precision.
+"""Test set-up: eight simulated CPU devices compiled for speed of compiling (compile_flags.py),
+float32 matmuls at full precision.
 
 XLA reads the device count once, when jax first initialises, so it is set here, before any test
 module imports jax.
@@ -6,9 +7,9 @@ module imports jax.
 
 import os
 
-os.environ["XLA_FLAGS"] = (
-    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-).strip()
+from compile_flags import with_devices  # noqa: E402
+
+os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {with_devices(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Tests build many jitted steps of the same tiny shapes (each run of the trainer, each subprocess): a
 # persistent compilation cache for this session compiles each distinct program once. Subprocesses

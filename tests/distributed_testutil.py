@@ -6,6 +6,8 @@ import os
 import socket
 import subprocess
 
+from compile_flags import with_devices
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -18,7 +20,7 @@ def run_processes(cmd: list[str], *, processes: int = 2, devices_per_process: in
     """Run `cmd` as `processes` workers of one jax.distributed job (each with `devices_per_process`
     simulated CPU devices); assert every worker exits 0 and return their combined stdout/stderr."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+    env.update(XLA_FLAGS=with_devices(devices_per_process),
                JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
                JAX_NUM_PROCESSES=str(processes))
     procs = [subprocess.Popen(cmd, env={**env, "JAX_PROCESS_ID": str(i)}, text=True,

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 import numpy as np
+from compile_flags import COMPILE_FLAGS
 from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
@@ -118,5 +119,5 @@ def script_cmd(name: str, *args: str) -> list[str]:
 def subprocess_env() -> dict[str, str]:
     env = dict(os.environ)
     env["JAX_PLATFORMS"] = "cpu"
-    env.pop("XLA_FLAGS", None)
+    env["XLA_FLAGS"] = COMPILE_FLAGS
     return env

@@ -9,12 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from compile_flags import with_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def demo_env(tmp_path: Path) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # the demo sets its own devices
+    env = {**os.environ, "XLA_FLAGS": with_devices(8)}  # the eight devices both scripts default to
     env["XDG_CACHE_HOME"] = str(tmp_path / "cache")  # where the corpus is written
     return env
 
