@@ -1,4 +1,4 @@
-"""Test set-up: eight simulated CPU devices compiled for speed of compiling (compile_flags.py),
+"""Test set-up: eight simulated CPU devices, XLA flags that compile fast (compile_flags.py),
 float32 matmuls at full precision.
 
 XLA reads the device count once, when jax first initialises, so it is set here, before any test
@@ -7,7 +7,7 @@ module imports jax.
 
 import os
 
-from compile_flags import with_devices  # noqa: E402
+from compile_flags import with_devices
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {with_devices(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

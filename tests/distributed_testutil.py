@@ -19,7 +19,7 @@ def run_processes(cmd: list[str], *, processes: int = 2, devices_per_process: in
                   timeout: float = 600) -> list[str]:
     """Run `cmd` as `processes` workers of one jax.distributed job (each with `devices_per_process`
     simulated CPU devices); assert every worker exits 0 and return their combined stdout/stderr."""
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)
     env.update(XLA_FLAGS=with_devices(devices_per_process),
                JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{free_port()}",
                JAX_NUM_PROCESSES=str(processes))
