@@ -7,14 +7,18 @@ axis so that a sequence-parallel wrapper can all-to-all sequence shards into hea
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, document_index
-from qwen35_jax.layers.gdn_inputs import causal_conv1d_silu, gates, l2_normalize
+from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+from qwen35_jax.layers.gdn_inputs import rule_inputs
+from qwen35_jax.layers.gdn_tiling import tiled_gdn_core
 from qwen35_jax.layers.norms import GatedRMSNorm, gated_rms_norm
+from qwen35_jax.layers.tiling import delta_rule_tile
 from qwen35_jax.parallel.ulysses import ulysses_gdn
 
 
@@ -39,7 +43,8 @@ def gdn_core(
     """Per-head Gated DeltaNet mixer: conv1d + SiLU, L2-norm, gated delta rule, gated RMSNorm.
 
     The conv window and the recurrent state restart at every document start; padding tokens are
-    zeroed before the conv, leave the state untouched and output zeros.
+    zeroed before the conv, leave the state untouched and output zeros. Sequences longer than the
+    delta rule's tile (`tiling.sequence_tile`) run tile by tile (`gdn_tiling.tiled_gdn_core`).
     """
     B, S, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
@@ -52,24 +57,46 @@ def gdn_core(
     if conv_q.shape[1:] != (Hk, Dk) or conv_k.shape != conv_q.shape or conv_v.shape[1:] != (Hv, Dv):
         raise ValueError(
             f"gdn_core: conv kernels q {conv_q.shape}, k {conv_k.shape}, v {conv_v.shape} do not match the heads")
+    tile = delta_rule_tile(chunk_size)
+    if tile is not None and S > tile:  # long sequences: the whole mixer tile by tile
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, S), jnp.int32)
+        weights = (conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight)
+        segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size)
+        return tiled_gdn_core(segment, q, k, v, z, b, a, weights, segment_ids, tile=tile,
+                              halo=conv_q.shape[0] - 1)
+    out, _ = gdn_segment(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids,
+                         eps=eps, chunk_size=chunk_size)
+    return out
+
+
+def gdn_segment(
+    q: jax.Array,  # [B, T, Hk, Dk] raw, T tokens of a sequence
+    k: jax.Array,  # [B, T, Hk, Dk]
+    v: jax.Array,  # [B, T, Hv, Dv]
+    z: jax.Array,  # [B, T, Hv, Dv]
+    b: jax.Array,  # [B, T, Hv]
+    a: jax.Array,  # [B, T, Hv]
+    conv_q: jax.Array,  # [Kc, Hk, Dk]
+    conv_k: jax.Array,  # [Kc, Hk, Dk]
+    conv_v: jax.Array,  # [Kc, Hv, Dv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_weight: jax.Array,  # [Dv]
+    segment_ids: jax.Array | None,  # [B, T]
+    *,
+    eps: float,
+    chunk_size: int,
+    halo: tuple[jax.Array, ...] | None = None,  # raw q, k, v [B, h, H, d] and ids [B, h] of the h tokens before
+    initial_state: jax.Array | None = None,  # [B, Hv, Dk, Dv] the delta-rule state entering the segment
+) -> tuple[jax.Array, jax.Array]:  # [B, T, Hv, Dv] in q.dtype, final state [B, Hv, Dk, Dv] float32
+    """`gdn_core` on T consecutive tokens: without `halo` the conv window starts at the first token
+    (zeros before it); with it, the conv reads the halo tokens (stopping at document starts)."""
     dtype = q.dtype
-
-    doc = None
-    if segment_ids is not None:
-        valid, doc = document_index(segment_ids, B, S)
-        keep = valid[..., None, None]
-        q, k, v = (jnp.where(keep, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
-
-    q = causal_conv1d_silu(q, conv_q, doc)
-    k = causal_conv1d_silu(k, conv_k, doc)
-    v = causal_conv1d_silu(v, conv_v, doc)
-
-    q = l2_normalize(q) * Dk**-0.5
-    k = l2_normalize(k)
-    beta, g = gates(b, a, A_log, dt_bias)
-
-    out, _ = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, chunk_size=chunk_size)
-    return gated_rms_norm(out.astype(dtype), z, norm_weight, eps)  # [B, S, Hv, Dv]
+    q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
+    out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, initial_state=initial_state,
+                                          chunk_size=chunk_size)
+    return gated_rms_norm(out.astype(dtype), z, norm_weight, eps), state  # [B, T, Hv, Dv]
 
 
 class DepthwiseConvKernel(nnx.Module):

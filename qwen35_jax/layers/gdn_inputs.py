@@ -1,7 +1,7 @@
 """What the gated DeltaNet mixer does to its inputs before the delta rule, per head.
 
 The depthwise short causal conv1d + SiLU whose window stops at document starts, the L2 norm of q and
-k, and the gates beta and g. Shared by `gated_deltanet.gdn_core` (whole sequences) and
+k, and the gates beta and g; `rule_inputs` does all of it, with an optional conv halo. Shared by `gated_deltanet.gdn_core` (whole sequences) and
 `parallel/gdn_state_passing.py` (sequence shards with a conv halo).
 """
 
@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+
+from qwen35_jax.layers.delta_rule import document_index
 
 
 def causal_conv1d_silu(
@@ -51,3 +53,39 @@ def gates(
     beta = jax.nn.sigmoid(b).astype(jnp.float32)
     g = -jnp.exp(A_log.astype(jnp.float32)) * jax.nn.softplus(a.astype(jnp.float32) + dt_bias.astype(jnp.float32))
     return beta, g
+
+
+def rule_inputs(
+    q: jax.Array,  # [B, T, Hk, Dk] raw in_proj_qkv output
+    k: jax.Array,  # [B, T, Hk, Dk]
+    v: jax.Array,  # [B, T, Hv, Dv]
+    b: jax.Array,  # [B, T, Hv]
+    a: jax.Array,  # [B, T, Hv]
+    conv_q: jax.Array,  # [Kc, Hk, Dk]
+    conv_k: jax.Array,  # [Kc, Hk, Dk]
+    conv_v: jax.Array,  # [Kc, Hv, Dv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    segment_ids: jax.Array | None,  # [B, T] document ids >= 1, 0 = padding
+    halo: tuple[jax.Array, ...] | None = None,  # raw q, k, v [B, h, H, d] and ids [B, h] of the h tokens before
+) -> tuple[jax.Array, ...]:  # q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]; q, k, g, beta float32
+    """Padding zeroed, conv1d + SiLU, q and k L2-normalised (q scaled by Dk**-0.5), the gates.
+
+    Without `halo` the conv window starts at the first token (zeros before it); with it the window
+    reaches into the halo tokens, stopping at document starts."""
+    B, T, _, Dk = q.shape
+    doc, h = None, 0
+    if halo is not None:
+        hq, hk, hv, hseg = halo
+        h = hseg.shape[1]
+        q, k, v = (jnp.concatenate([hx, x], axis=1) for hx, x in ((hq, q), (hk, k), (hv, v)))
+        segment_ids = jnp.concatenate([hseg.astype(jnp.int32), segment_ids.astype(jnp.int32)], axis=1)
+    if segment_ids is not None:
+        valid, doc = document_index(segment_ids, B, h + T)
+        keep = valid[..., None, None]
+        q, k, v = (jnp.where(keep, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
+    q, k, v = (causal_conv1d_silu(x, w, doc)[:, h:] for x, w in ((q, conv_q), (k, conv_k), (v, conv_v)))
+    q = l2_normalize(q) * Dk**-0.5
+    k = l2_normalize(k)
+    beta, g = gates(b, a, A_log, dt_bias)
+    return q, k, v, g, beta

@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, document_index
-from qwen35_jax.layers.gdn_inputs import causal_conv1d_silu, gates, l2_normalize
+from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.norms import gated_rms_norm
 from qwen35_jax.parallel.mesh import FSDP, SP, mesh_axis_size
 
@@ -85,24 +85,11 @@ def _local_gdn(
     Kc = conv_q.shape[0]
     dtype = q.dtype
     r = jax.lax.axis_index(SP)
-    valid = segment_ids != 0
-    keep = valid[..., None, None]
-    q, k, v = (jnp.where(keep, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
-
-    # conv1d with a halo of Kc - 1 raw tokens from the previous shard (padding ids on device 0)
+    # conv1d with a halo of Kc - 1 raw tokens from the previous shard (zeros with padding ids on device 0)
     h = Kc - 1
-    halo_seg = jnp.where(r == 0, 0, _shifted_in(segment_ids[:, L - h:], sp))  # [B, h]
-    seg_ext = jnp.concatenate([halo_seg, segment_ids], axis=1)  # [B, h + L]
-    _, doc = document_index(seg_ext, B, h + L)
-
-    def conv(x, w):  # [B, L, H, d] -> [B, L, H, d]
-        ext = jnp.concatenate([_shifted_in(x[:, L - h:], sp), x], axis=1)
-        return causal_conv1d_silu(ext, w, doc)[:, h:]
-
-    q, k, v = conv(q, conv_q), conv(k, conv_k), conv(v, conv_v)
-    q = l2_normalize(q) * Dk**-0.5
-    k = l2_normalize(k)
-    beta, g = gates(b, a, A_log, dt_bias)
+    halo = (*(_shifted_in(x[:, L - h:], sp) for x in (q, k, v)),
+            jnp.where(r == 0, 0, _shifted_in(segment_ids[:, L - h:], sp)))
+    q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
 
     rule = dict(segment_ids=segment_ids, chunk_size=chunk_size)
     out0, c_end = chunked_gated_delta_rule(q, k, v, g, beta, **rule)  # [B, L, Hv, Dv], [B, Hv, Dk, Dv]
