@@ -2,7 +2,8 @@
 
 Memory is affine in S for fixed shapes (every activation is [tokens, width]), so after the powers of
 two bracket the limit, the line through the two bracketing compiles predicts it; the prediction is
-compiled and stepped down until it fits. Every reported length was compiled, none extrapolated.
+compiled and stepped down until it fits (backing off
+further after each miss: padding to whole tiles makes memory a staircase around the line). Every reported length was compiled, none extrapolated.
 """
 
 from __future__ import annotations
@@ -64,13 +65,14 @@ def longest_fitting(measure: Callable[[int], StepMemory], limit: int, *, start: 
     slope = (hi.total - lo.total) / (high - low)
     guess = low + int((limit - lo.total) / slope) if slope > 0 else low
     guess = max(low, min(high - granule, guess // granule * granule))
-    for _ in range(4):  # step down from the prediction until it fits
+    for attempt in range(4):  # step down from the prediction until it fits, backing off 1x, 2x, 4x the miss
         if guess <= best.seq:
             break
         m = at(guess)
         if m.total <= limit:
             best = m
             break
-        guess = max(best.seq, (guess - (m.total - limit) / slope) // granule * granule - granule)
+        step = (m.total - limit) / slope * 2**attempt  # padding to whole tiles makes memory step, not a line
+        guess = max(best.seq, (guess - step) // granule * granule - granule)
         guess = int(guess)
     return best, list(tried.values())
