@@ -68,18 +68,21 @@ def tiled_over_sequence(fn: Callable[[Any, jax.Array], jax.Array], module: nnx.M
     graphdef, state = nnx.split(module)
     xs = x.reshape(b, sp, local, d)
     xs = jnp.pad(xs, ((0, 0), (0, 0), (0, n * tile - local), (0, 0)))  # zero tokens, dropped below
-    xs = jnp.moveaxis(xs.reshape(b, sp, n, tile, d), 2, 0)  # [n, B, sp, tile, D]
     spec = P(FSDP if b % mesh_axis_size(mesh, FSDP) == 0 else None, SP if sp > 1 else None, None, None)
 
+    # The tile is sliced inside the checkpoint from the whole (loop-invariant) input, and written into
+    # the whole output: neither the inputs nor the outputs exist a second time as a stack of tiles.
     @jax.checkpoint
-    def one(xt: jax.Array) -> jax.Array:  # [B, sp, tile, D] -> [B, sp, tile, D]
-        xt = constrain(xt, spec)
+    def one(xs: jax.Array, i: jax.Array) -> jax.Array:  # [B, sp, n * tile, D] -> [B, sp, tile, D]
+        xt = constrain(jax.lax.dynamic_slice_in_dim(xs, i * tile, tile, axis=2), spec)
         y = fn(nnx.merge(graphdef, state), xt.reshape(b, sp * tile, d))
         return constrain(y.reshape(b, sp, tile, d), spec)
 
-    ys = jax.lax.map(one, xs)  # [n, B, sp, tile, D]
-    ys = jnp.moveaxis(ys, 0, 2).reshape(b, sp, n * tile, d)[:, :, :local]
-    return ys.reshape(b, s, d)
+    def body(i: jax.Array, ys: jax.Array) -> jax.Array:
+        return jax.lax.dynamic_update_slice_in_dim(ys, one(xs, i).astype(ys.dtype), i * tile, axis=2)
+
+    ys = jax.lax.fori_loop(0, n, body, jnp.zeros_like(xs))  # [B, sp, n * tile, D]
+    return ys[:, :, :local].reshape(b, s, d)
 
 
 def delta_rule_tile(chunk_size: int) -> int | None:
