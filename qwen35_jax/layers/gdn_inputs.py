@@ -1,8 +1,9 @@
 """What the gated DeltaNet mixer does to its inputs before the delta rule, per head.
 
 The depthwise short causal conv1d + SiLU whose window stops at document starts, the L2 norm of q and
-k, and the gates beta and g; `rule_inputs` does all of it, with an optional conv halo. Shared by `gated_deltanet.gdn_core` (whole sequences) and
-`parallel/gdn_state_passing.py` (sequence shards with a conv halo).
+k, and the gates beta and g; `rule_inputs` does all of it, with an optional conv halo. Shared by
+`gated_deltanet.gdn_core` (whole sequences and their tiles) and `parallel/gdn_state_passing.py`
+(sequence shards with a conv halo).
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from qwen35_jax.layers.tiling import document_starts_tile, stack_tiles, unstack_tiles
+
 # segment(q, k, v, z, b, a, *weights, segment_ids, halo=(hq, hk, hv, hseg), initial_state=S0)
 #   -> (out [B, T, Hv, Dv], final state [B, Hv, Dk, Dv])
 Segment = Callable[..., tuple[jax.Array, jax.Array]]
@@ -46,22 +48,15 @@ def tiled_gdn_core(
     Hv, Dv = v.shape[2:]
     if not 0 <= halo <= tile:
         raise ValueError(f"conv halo of {halo} tokens does not fit a sequence tile of {tile}")
-    n = -(-S // tile)
-    pad = n * tile - S
-
-    def tiles(x: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, tile, ...]; padding tokens at the end
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(B, n, tile, *x.shape[2:]), 1, 0)
 
     def before(xt: jax.Array) -> jax.Array:  # [n, B, tile, ...] -> [n, B, halo, ...]: the tokens before each tile
         prev = xt[:-1, :, tile - halo:]
         return jnp.concatenate([jnp.zeros_like(xt[:1, :, :halo]), prev], axis=0)
 
-    seg_t = tiles(segment_ids.astype(jnp.int32))  # [n, B, tile]
-    raw = tuple(tiles(x) for x in (q, k, v))
+    seg_t = stack_tiles(segment_ids.astype(jnp.int32), tile)  # [n, B, tile]
+    raw = tuple(stack_tiles(x, tile) for x in (q, k, v))
     halos = (*(before(x) for x in raw), before(seg_t))  # zeros with id 0 (padding) before the first tile
-    first, last_before = seg_t[1:, :, 0], seg_t[:-1, :, -1]  # [n - 1, B]
-    reset = jnp.concatenate([jnp.zeros((1, B), bool), (first != last_before) & (first != 0)])  # [n, B]
+    reset = document_starts_tile(seg_t)  # [n, B]
 
     @jax.checkpoint
     def one(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
@@ -71,6 +66,6 @@ def tiled_gdn_core(
         return state, out  # [B, Hv, Dk, Dv], [B, tile, Hv, Dv]
 
     state = jnp.zeros((B, Hv, Dk, Dv), jnp.float32)
-    xs = (*raw, *(tiles(x) for x in (z, b, a)), seg_t, reset, *halos)
+    xs = (*raw, *(stack_tiles(x, tile) for x in (z, b, a)), seg_t, reset, *halos)
     _, out = jax.lax.scan(one, state, xs)  # [n, B, tile, Hv, Dv]
-    return jnp.moveaxis(out, 0, 1).reshape(B, n * tile, Hv, Dv)[:, :S]
+    return unstack_tiles(out, S)

@@ -114,17 +114,9 @@ def tiled_delta_rule(
     """
     B, S, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
-    n = -(-S // tile)
-    pad = n * tile - S
     seg = jnp.ones((B, S), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-
-    def tiles(x: jax.Array) -> jax.Array:  # [B, S, ...] -> [n, B, tile, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape(B, n, tile, *x.shape[2:]), 1, 0)
-
-    seg_t = tiles(seg)  # [n, B, tile]
-    first, last_before = seg_t[1:, :, 0], seg_t[:-1, :, -1]  # [n - 1, B]
-    reset = jnp.concatenate([jnp.zeros((1, B), bool), (first != last_before) & (first != 0)])  # [n, B]
+    seg_t = stack_tiles(seg, tile)  # [n, B, tile]
+    reset = document_starts_tile(seg_t)  # [n, B]
     state = jnp.zeros((B, Hv, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
     @jax.checkpoint
@@ -134,6 +126,28 @@ def tiled_delta_rule(
         out, state = rule(qt, kt, vt, gt, bt, segment_ids=st, initial_state=state, chunk_size=chunk_size)
         return state, out  # [B, Hv, Dk, Dv], [B, tile, Hv, Dv]
 
-    state, out = jax.lax.scan(one, state, (*(tiles(x) for x in (q, k, v, g, beta)), seg_t, reset))
-    out = jnp.moveaxis(out, 0, 1).reshape(B, n * tile, Hv, Dv)[:, :S]
-    return out, state
+    state, out = jax.lax.scan(one, state, (*(stack_tiles(x, tile) for x in (q, k, v, g, beta)), seg_t, reset))
+    return unstack_tiles(out, S), state
+
+
+def stack_tiles(x: jax.Array, tile: int) -> jax.Array:  # [B, S, ...] -> [n, B, tile, ...]
+    """Tiles of `tile` tokens along axis 1, stacked first; the last tile is padded with zeros
+    (segment id 0: padding)."""
+    B, S = x.shape[:2]
+    n = -(-S // tile)
+    x = jnp.pad(x, [(0, 0), (0, n * tile - S)] + [(0, 0)] * (x.ndim - 2))
+    return jnp.moveaxis(x.reshape(B, n, tile, *x.shape[2:]), 1, 0)
+
+
+def unstack_tiles(xt: jax.Array, S: int) -> jax.Array:  # [n, B, tile, ...] -> [B, S, ...]
+    """Inverse of `stack_tiles`: the tiles back in sequence order, the padding dropped."""
+    n, B, tile = xt.shape[:3]
+    return jnp.moveaxis(xt, 0, 1).reshape(B, n * tile, *xt.shape[3:])[:, :S]
+
+
+def document_starts_tile(seg_t: jax.Array) -> jax.Array:  # [n, B, tile] -> [n, B] bool
+    """Whether a document starts at each tile's first token (a non-zero id that differs from the
+    previous tile's last token), where a state carried in from the previous tile must be dropped.
+    Never at the first tile: its incoming state belongs to its first document."""
+    first, last_before = seg_t[1:, :, 0], seg_t[:-1, :, -1]  # [n - 1, B]
+    return jnp.concatenate([jnp.zeros((1, seg_t.shape[1]), bool), (first != last_before) & (first != 0)])

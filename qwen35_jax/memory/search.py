@@ -2,8 +2,9 @@
 
 Memory is affine in S for fixed shapes (every activation is [tokens, width]), so after the powers of
 two bracket the limit, the line through the two bracketing compiles predicts it; the prediction is
-compiled and stepped down until it fits (backing off
-further after each miss: padding to whole tiles makes memory a staircase around the line). Every reported length was compiled, none extrapolated.
+compiled and stepped down until it fits, backing off further after each miss (padding to whole
+tiles makes memory a staircase around the line). Every reported length was compiled, none
+extrapolated.
 """
 
 from __future__ import annotations
