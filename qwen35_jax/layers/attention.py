@@ -15,23 +15,24 @@ from qwen35_jax.parallel.ulysses import ulysses_attention
 
 def _attend_block(qg: jax.Array, k: jax.Array, v: jax.Array, q_idx: jax.Array, q_seg: jax.Array,
                   kv_seg: jax.Array) -> jax.Array:
-    """One block of queries against every key.
+    """One block of queries against every key, in head-major layout.
 
-    qg: [B, Q, K, G, Dh], k/v: [B, S, K, Dh], q_idx: [Q] absolute query positions, q_seg: [B, Q],
-    kv_seg: [B, S] -> [B, Q, K, G, Dh]
+    qg: [B, K, G, Q, Dh], k/v: [B, K, T, Dh], q_idx: [Q] absolute query positions, q_seg: [B, Q],
+    kv_seg: [B, T] -> [B, K, G, Q, Dh]. Head-major operands keep both einsums plain batched matmuls
+    whose outputs need no relayout; a sequence-major layout made XLA transpose every [Q, T] score block.
     """
     dh = qg.shape[-1]
-    logits = jnp.einsum("bqkgd,btkd->bkgqt", qg, k).astype(jnp.float32) * (dh ** -0.5)  # [B, K, G, Q, S]
-    causal = q_idx[:, None] >= jnp.arange(k.shape[1])[None, :]  # [Q, S]
-    same_doc = q_seg[:, :, None] == kv_seg[:, None, :]  # [B, Q, S]
-    mask = (causal[None] & same_doc)[:, None, None]  # [B, 1, 1, Q, S]
+    logits = jnp.einsum("bkgqd,bktd->bkgqt", qg, k).astype(jnp.float32) * (dh ** -0.5)  # [B, K, G, Q, T]
+    causal = q_idx[:, None] >= jnp.arange(k.shape[2])[None, :]  # [Q, T]
+    same_doc = q_seg[:, :, None] == kv_seg[:, None, :]  # [B, Q, T]
+    mask = (causal[None] & same_doc)[:, None, None]  # [B, 1, 1, Q, T]
     logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-    return jnp.einsum("bkgqt,btkd->bqkgd", probs, v)
+    return jnp.einsum("bkgqt,bktd->bkgqd", probs, v)
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                   block_q: int = 1024, implementation: str | None = None) -> jax.Array:
+                   block_q: int = 512, implementation: str | None = None) -> jax.Array:
     """Causal softmax attention that never crosses documents; softmax in float32.
 
     q: [B, S, H, Dh] (normed, rotated), k/v: [B, S, K, Dh] with H % K == 0, segment_ids: [B, S]
@@ -49,21 +50,19 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
         return KERNELS[name](q, k, v, segment_ids)
     b, s, h, dh = q.shape
     kh = k.shape[2]
-    qg = q.reshape(b, s, kh, h // kh, dh)  # [B, S, K, G, Dh]
+    qg = q.reshape(b, s, kh, h // kh, dh).transpose(0, 2, 3, 1, 4)  # [B, K, G, S, Dh]
+    kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, K, S, Dh]
     if s <= block_q:
-        return _attend_block(qg, k, v, jnp.arange(s), segment_ids, segment_ids).reshape(b, s, h, dh)
-
-    @jax.checkpoint
-    def one(qb: jax.Array, kb: jax.Array, vb: jax.Array, idx: jax.Array, segb: jax.Array,
-            kv_segb: jax.Array) -> jax.Array:
-        return _attend_block(qb, kb, vb, idx, segb, kv_segb)
-
-    outs = []
-    for start in range(0, s, block_q):  # static shapes: block i sees keys [0, end_i)
-        end = min(start + block_q, s)
-        outs.append(one(qg[:, start:end], k[:, :end], v[:, :end], jnp.arange(start, end),
-                        segment_ids[:, start:end], segment_ids[:, :end]))  # [B, Q_i, K, G, Dh]
-    return jnp.concatenate(outs, axis=1).reshape(b, s, h, dh)
+        out = _attend_block(qg, kt, vt, jnp.arange(s), segment_ids, segment_ids)
+    else:
+        one = jax.checkpoint(_attend_block)
+        outs = []
+        for start in range(0, s, block_q):  # static shapes: block i sees keys [0, end_i)
+            end = min(start + block_q, s)
+            outs.append(one(qg[:, :, :, start:end], kt[:, :, :end], vt[:, :, :end], jnp.arange(start, end),
+                            segment_ids[:, start:end], segment_ids[:, :end]))  # [B, K, G, Q_i, Dh]
+        out = jnp.concatenate(outs, axis=3)  # [B, K, G, S, Dh]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, s, h, dh)
 
 
 class Attention(nnx.Module):
