@@ -254,6 +254,15 @@ def bench_config(name: str, config, batch: int, seq: int, args: argparse.Namespa
     return row
 
 
+def jit_cpu_tuned(fn: Callable) -> Callable:
+    """`jax.jit` with the compiler options our train step uses (`qwen35_jax.xla_options`)."""
+    import jax
+
+    from qwen35_jax.xla_options import compiler_options
+
+    return jax.jit(fn, compiler_options=compiler_options())
+
+
 def bench_cores(args: argparse.Namespace) -> list[dict]:
     """The sequence mixers alone, forward+backward of sum(out * cotangent), at S = --core-seq."""
     import jax
@@ -282,7 +291,7 @@ def bench_cores(args: argparse.Namespace) -> list[dict]:
                 out, _ = chunked_gated_delta_rule(q * D**-0.5, k, v, g, beta, precision=precision)
                 return jnp.sum(out * cot)
 
-            grads[precision] = jax.jit(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
+            grads[precision] = jit_cpu_tuned(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
         fns = {("ours" if p is None else f"ours {p}"): (lambda f=f: jax.block_until_ready(f(*jargs)))
                for p, f in grads.items()}
         if not args.skip_torch:
@@ -318,7 +327,7 @@ def bench_cores(args: argparse.Namespace) -> list[dict]:
         def attn_loss(q, k, v):
             return jnp.sum(attention_core(q, k, v, jnp.asarray(seg)) * cot)
 
-        attn_grad = jax.jit(jax.grad(attn_loss, argnums=(0, 1, 2)))
+        attn_grad = jit_cpu_tuned(jax.grad(attn_loss, argnums=(0, 1, 2)))
         jargs_a = [jnp.asarray(x) for x in (qa, ka, va)]
         fns = {"ours": lambda: jax.block_until_ready(attn_grad(*jargs_a))}
         if not args.skip_torch:
@@ -393,7 +402,7 @@ def bench_breakdown(config, batch: int, seq: int, steps: int) -> list[dict]:
             out = nnx.merge(graphdef, state)(*inputs)
             return jnp.sum(out * out) * 1e-3
 
-        time_piece(name, jax.jit(loss), jax.jit(jax.grad(loss, argnums=(0, 1))), (state, *inputs))
+        time_piece(name, jit_cpu_tuned(loss), jit_cpu_tuned(jax.grad(loss, argnums=(0, 1))), (state, *inputs))
 
     # the delta rule alone, on the GDN layer's head shapes
     Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
@@ -406,7 +415,7 @@ def bench_breakdown(config, batch: int, seq: int, steps: int) -> list[dict]:
     def rule(q, k, v, g, beta):
         return jnp.sum(chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=config.gdn_chunk_size)[0])
 
-    time_piece("    delta rule", jax.jit(rule), jax.jit(jax.grad(rule, argnums=(0, 1, 2, 3, 4))), (q, k, v, g, beta))
+    time_piece("    delta rule", jit_cpu_tuned(rule), jit_cpu_tuned(jax.grad(rule, argnums=(0, 1, 2, 3, 4))), (q, k, v, g, beta))
 
     # the loss: lm_head + fused log-probs on the final hidden states
     w = jnp.asarray(rng.standard_normal((D, config.vocab_size)).astype(np.float32) * D**-0.5)
@@ -416,7 +425,7 @@ def bench_breakdown(config, batch: int, seq: int, steps: int) -> list[dict]:
         lp, _ = linear_logprob_entropy(h.reshape(B * S, D), w, labels)
         return -jnp.mean(lp)
 
-    time_piece("loss (lm_head + log-probs)", jax.jit(head), jax.jit(jax.grad(head, argnums=(0, 1))), (x, w))
+    time_piece("loss (lm_head + log-probs)", jit_cpu_tuned(head), jit_cpu_tuned(jax.grad(head, argnums=(0, 1))), (x, w))
 
     # the whole model body (no loss, no optimizer)
     model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(0))
@@ -427,7 +436,7 @@ def bench_breakdown(config, batch: int, seq: int, steps: int) -> list[dict]:
         h = nnx.merge(graphdef, state)(tokens)
         return jnp.sum(h * h) * 1e-3
 
-    time_piece(f"model body (remat={config.remat})", jax.jit(body), jax.jit(jax.grad(body)), (state, tokens))
+    time_piece(f"model body (remat={config.remat})", jit_cpu_tuned(body), jit_cpu_tuned(jax.grad(body)), (state, tokens))
     return results
 
 

@@ -25,6 +25,7 @@ from qwen35_jax.losses import KL_ESTIMATORS, policy_terms
 from qwen35_jax.parallel.mesh import FSDP, SP
 from qwen35_jax.scoring import score_tokens
 from qwen35_jax.train.optim import Params
+from qwen35_jax.xla_options import compiler_options
 
 OBJECTIVES = ("sft", "ppo")
 PPO_FIELDS = ("old_log_probs", "advantages")
@@ -150,7 +151,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, op
         return params, opt_state, {**metrics, "grad_norm": grad_norm, "applied": finite.astype(jnp.float32),
                                    "batch_tokens": batch_tokens}
 
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None))
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None), compiler_options=compiler_options())
 
 
 def make_eval_step(graphdef: nnx.GraphDef, options: StepOptions) -> Callable[[Params, Batch], dict[str, jax.Array]]:
@@ -163,7 +164,7 @@ def make_eval_step(graphdef: nnx.GraphDef, options: StepOptions) -> Callable[[Pa
             lambda micro, mask: _micro_sums(options, graphdef, params, micro, mask, jnp.ones(()))[1], batch, masks)
         return {**sums, "tokens": jnp.sum(masks)}
 
-    return jax.jit(eval_step)
+    return jax.jit(eval_step, compiler_options=compiler_options())
 
 
 def finish_eval(totals: dict[str, float]) -> dict[str, float]:

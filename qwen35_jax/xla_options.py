@@ -1,0 +1,40 @@
+"""XLA compiler options of our jitted steps, per backend.
+
+On CPU, jax 0.10's XLA hands dots, elementwise ops and reductions to YNNPACK. Its reductions are
+slow on the shapes a train step has: summing a [64, 4, 2, 64, 64] array over the axis of size 2 (the
+gradient of a key-head Gram matrix shared by two value heads) takes 45-80 ms, a [4096, 256] column
+sum (a norm weight's gradient) 7 ms, and reductions were a fifth of the 1 x 4096 train step of
+`scripts/bench_train.py`. With YNNPACK fusions off, XLA's own emitters and its other dot libraries
+run the same HLO and the step is 12-21% faster (docs/benchmarks.md). Turning off only the
+reductions is not an option: dot and elementwise fusions without them fail at run time on some of
+our layouts ("unsupported layout in YNN fusion").
+
+Options are probed once: a jaxlib that no longer knows one gets none of them instead of
+failing to compile. GPU and TPU get no options.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}  # "": the empty list of YNNPACK fusion kinds
+
+
+@functools.cache
+def _cpu_accepts_options() -> bool:
+    """Whether this jaxlib compiles with CPU_OPTIONS (on the default backend, CPU)."""
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=CPU_OPTIONS).lower(jnp.zeros(())).compile()
+    except Exception:  # noqa: BLE001 - an unknown option or value: run with XLA's defaults
+        return False
+    return True
+
+
+def compiler_options() -> dict[str, str]:
+    """The `compiler_options=` for `jax.jit` on the default backend."""
+    if jax.default_backend() != "cpu" or not _cpu_accepts_options():
+        return {}
+    return dict(CPU_OPTIONS)
