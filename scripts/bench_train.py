@@ -10,8 +10,9 @@ document per row, with AdamW (lr 1e-4, betas 0.9/0.95, gradient clipping at norm
 the jitted `qwen35_jax.train.make_train_step` (SFT loss, fused log-prob kernel); theirs is
 transformers' `Qwen3_5ForCausalLM` on its default path (eager, default attention implementation)
 with `labels=`, `loss.backward()`, `clip_grad_norm_` and `torch.optim.AdamW`. Each time is the
-median of --steps steps after one warm-up step (ours compiles in it), ours first, then theirs. The
-ratio is theirs / ours in time, i.e. ours / theirs in tokens per second: above 1 means we are faster.
+median of --steps steps after one warm-up step (ours compiles in it). Each stack runs every row in a
+child process of its own, ours first, then theirs: in one process each library's spinning CPU
+threads slow the other one down. The ratio is theirs / ours in time, i.e. ours / theirs in tokens per second: above 1 means we are faster.
 
 --cores adds the sequence mixers alone, forward+backward at S = --core-seq: the GDN core
 (`chunked_gated_delta_rule` vs transformers' `torch_chunk_gated_delta_rule`, H = 8, d = 128) and the
@@ -79,8 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="the device's peak rate: adds model FLOPs utilisation (MFU) of our step")
     p.add_argument("--skip-torch", action="store_true", help="time ours only (no ratios)")
+    p.add_argument("--stack", choices=["both", "ours", "transformers"], default="both",
+                   help="both (default): each stack in a child process of its own, ours first (in one "
+                        "process the stack timed second runs up to 2x slower: the other's CPU threads "
+                        "keep spinning); ours / transformers: time that stack only, in this process")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
+    args.run_ours = args.stack in ("both", "ours")
+    args.run_torch = args.stack in ("both", "transformers") and not args.skip_torch
     if args.cores == []:
         args.cores = ["gdn", "attention"]
     for name in ("steps", "batch", "seq", "core_seq", "core_heads", "core_dim",
@@ -244,12 +251,12 @@ def bench_config(name: str, config, batch: int, seq: int, args: argparse.Namespa
     import numpy as np
 
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, seq))
-    fns = {"ours": ours_step(config, tokens)}
-    if not args.skip_torch:
+    fns = {"ours": ours_step(config, tokens)} if args.run_ours else {}
+    if args.run_torch:
         fns["transformers"] = torch_step(config, tokens)
     row = {"config": name, "batch": batch, "seq": seq, "remat": config.remat, "dtype": config.dtype,
            "model_tflops_per_step": train_flops(config, batch, seq) / 1e12, **time_side_by_side(fns, args.steps)}
-    if args.peak_tflops:
+    if args.peak_tflops and "ours" in row:
         row["ours"]["mfu"] = row["model_tflops_per_step"] / row["ours"]["median_s"] / args.peak_tflops
     return row
 
@@ -293,8 +300,8 @@ def bench_cores(args: argparse.Namespace) -> list[dict]:
 
             grads[precision] = jit_cpu_tuned(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
         fns = {("ours" if p is None else f"ours {p}"): (lambda f=f: jax.block_until_ready(f(*jargs)))
-               for p, f in grads.items()}
-        if not args.skip_torch:
+               for p, f in grads.items()} if args.run_ours else {}
+        if args.run_torch:
             import torch
             from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
 
@@ -308,7 +315,7 @@ def bench_cores(args: argparse.Namespace) -> list[dict]:
             fns["transformers"] = torch_gdn
         row = {"config": "gdn_core", "settings": dict(B=B, S=S, H=H, d=D), "batch": B, "seq": S,
                **time_side_by_side(fns, args.steps)}
-        if len(grads) > 1:  # every precision's gradients against the first one's
+        if args.run_ours and len(grads) > 1:  # every precision's gradients against the first one's
             ref = [np.asarray(x, np.float64) for x in next(iter(grads.values()))(*jargs)]
             for p, f in list(grads.items())[1:]:
                 got = f(*jargs)
@@ -329,8 +336,8 @@ def bench_cores(args: argparse.Namespace) -> list[dict]:
 
         attn_grad = jit_cpu_tuned(jax.grad(attn_loss, argnums=(0, 1, 2)))
         jargs_a = [jnp.asarray(x) for x in (qa, ka, va)]
-        fns = {"ours": lambda: jax.block_until_ready(attn_grad(*jargs_a))}
-        if not args.skip_torch:
+        fns = {"ours": lambda: jax.block_until_ready(attn_grad(*jargs_a))} if args.run_ours else {}
+        if args.run_torch:
             import torch
             import torch.nn.functional as F
 
@@ -456,6 +463,24 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_isolated(argv: list[str]) -> tuple[list[dict], list[dict] | None]:
+    """Every row timed in two child processes, `--stack ours` then `--stack transformers`, merged."""
+    import subprocess
+    import tempfile
+
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for stack in ("ours", "transformers"):
+            out = os.path.join(tmp, f"{stack}.json")
+            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--stack", stack, "--json", out]
+            if subprocess.run(cmd).returncode != 0:  # the child printed its error
+                raise SystemExit(f"bench_train: the {stack} child process failed")
+            with open(out) as f:
+                results[stack] = json.load(f)
+    rows = [{**theirs, **ours} for ours, theirs in zip(results["ours"]["runs"], results["transformers"]["runs"])]
+    return rows, results["ours"]["breakdown"]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
@@ -463,18 +488,21 @@ def main(argv: list[str] | None = None) -> int:
     from qwen35_jax.layers.delta_rule import gdn_precision
 
     rows, breakdown = [], None
-    with gdn_precision(args.gdn_precision):
-        planned = runs(args)
-        for name, config, batch, seq in planned:
-            rows.append(bench_config(name, config, batch, seq, args))
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
-        if args.cores:
-            rows.extend(bench_cores(args))
-        if args.breakdown:
-            _, config, batch, seq = planned[0]
-            breakdown = bench_breakdown(config, batch, seq, args.steps)
+    if args.stack == "both" and args.run_torch:
+        rows, breakdown = run_isolated(sys.argv[1:] if argv is None else argv)
+    else:
+        with gdn_precision(args.gdn_precision):
+            planned = runs(args)
+            for name, config, batch, seq in planned:
+                rows.append(bench_config(name, config, batch, seq, args))
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+            if args.cores:
+                rows.extend(bench_cores(args))
+            if args.breakdown and args.run_ours:
+                _, config, batch, seq = planned[0]
+                breakdown = bench_breakdown(config, batch, seq, args.steps)
     threads = ""
-    if not args.skip_torch:
+    if args.run_torch:
         import torch
 
         threads = f", torch {torch.__version__} with {torch.get_num_threads()} threads"
