@@ -33,7 +33,7 @@ def test_train_flops_match_the_jaxpr_dot_count(rows, seq):
     step = make_train_step(graphdef, tx, StepOptions(), shardings)
     batch = {name: jax.ShapeDtypeStruct((1, rows, seq), np.int32) for name in ("tokens", "segment_ids", "loss_mask")}
     with jax.set_mesh(mesh):
-        jaxpr = jax.make_jaxpr(step)(params, opt_state, batch)
+        jaxpr = jax.make_jaxpr(step.__wrapped__)(params, opt_state, batch)  # the step's function, unjitted
     counted = jaxpr_dot_flops(jaxpr)
     model = train_flops(CONFIG, rows, seq)
     # the formula is the forward's matmuls x 3; the jaxpr's backward differs from 2x its forward only

@@ -124,7 +124,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, op
     Call it with the mesh set (`jax.set_mesh(mesh)`). Metrics (scalars): loss and the objective's terms
     as token means over the whole batch's loss mask, tokens (that mask's sum), grad_norm (before
     clipping), applied (1, or 0 when the loss or gradient was not finite and nothing changed) and
-    batch_tokens (non-padding tokens of the batch).
+    batch_tokens (non-padding tokens of the batch). The jit carries our CPU compiler options
+    (`xla_options`), so it must be the outermost one: to trace the step inside another
+    transformation, use the unjitted `step.__wrapped__`.
     """
 
     def step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
