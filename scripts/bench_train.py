@@ -12,7 +12,8 @@ transformers' `Qwen3_5ForCausalLM` on its default path (eager, default attention
 with `labels=`, `loss.backward()`, `clip_grad_norm_` and `torch.optim.AdamW`. Each time is the
 median of --steps steps after one warm-up step (ours compiles in it). Each stack runs every row in a
 child process of its own, ours first, then theirs: in one process each library's spinning CPU
-threads slow the other one down. The ratio is theirs / ours in time, i.e. ours / theirs in tokens per second: above 1 means we are faster.
+threads slow the other one down. The ratio is theirs / ours in time, i.e. ours / theirs in tokens
+per second: above 1 means we are faster.
 
 --cores adds the sequence mixers alone, forward+backward at S = --core-seq: the GDN core
 (`chunked_gated_delta_rule` vs transformers' `torch_chunk_gated_delta_rule`, H = 8, d = 128) and the

@@ -8,25 +8,26 @@ import numpy as np
 from qwen35_jax import xla_options
 
 
-def _reduce_and_dot(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x [S, D], w [D, F] -> [D]: a dot and a column sum, both of which YNNPACK would take on CPU."""
-    return jnp.sum(x @ w, axis=1) + jnp.sum(x, axis=0)
+def _dot_and_column_sum(x: jax.Array, w: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [S, D], w [D, F] -> ([S, F], [D]): a dot and a column sum, both of which YNNPACK takes on CPU."""
+    return x @ w, jnp.sum(x, axis=0)
 
 
 def test_cpu_options_take_effect_and_keep_the_result():
     assert jax.default_backend() == "cpu"
     options = xla_options.compiler_options()
     assert options == xla_options.CPU_OPTIONS
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((256, 64)), jnp.float32)
-    w = jnp.asarray(np.random.default_rng(1).standard_normal((64, 64)), jnp.float32)
-    default = jax.jit(_reduce_and_dot).lower(x[:64].T, w).compile()
-    tuned = jax.jit(_reduce_and_dot, compiler_options=options).lower(x[:64].T, w).compile()
+    x = np.random.default_rng(0).standard_normal((256, 64)).astype(np.float32)
+    w = np.random.default_rng(1).standard_normal((64, 64)).astype(np.float32)
+    default = jax.jit(_dot_and_column_sum).lower(x, w).compile()
+    tuned = jax.jit(_dot_and_column_sum, compiler_options=options).lower(x, w).compile()
     assert "ynn" not in tuned.as_text()
-    expected = np.asarray(x[:64].T, np.float64) @ np.asarray(w, np.float64)
-    expected = expected.sum(1) + np.asarray(x[:64].T, np.float64).sum(0)
-    # float32 sums of 64 products of unit normals: ~1e-5 relative at most, whichever library runs them
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    # float32 sums of 64 products / 256 unit normals: ~1e-5 relative at most, whichever library runs them
     for compiled in (default, tuned):
-        np.testing.assert_allclose(compiled(x[:64].T, w), expected, rtol=1e-4, atol=1e-4)
+        product, column_sum = compiled(x, w)
+        np.testing.assert_allclose(product, x64 @ w64, rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(column_sum, x64.sum(0), rtol=1e-4, atol=1e-4)
 
 
 def test_unknown_option_falls_back_to_defaults(monkeypatch):
