@@ -17,6 +17,7 @@ from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core
+from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.norms import GatedRMSNorm, gated_rms_norm
 from qwen35_jax.layers.tiling import delta_rule_tile
 from qwen35_jax.parallel.ulysses import ulysses_gdn
@@ -122,17 +123,17 @@ class GatedDeltaNet(nnx.Module):
         pdt = jnp.dtype(config.param_dtype)
         lin = dict(use_bias=False, dtype=jnp.dtype(config.dtype), param_dtype=pdt, rngs=rngs,
                    kernel_init=nnx.initializers.normal(0.02))
-        self.in_proj_qkv = nnx.Linear(D, conv_dim, **lin)
-        self.in_proj_z = nnx.Linear(D, value_dim, **lin)
-        self.in_proj_b = nnx.Linear(D, self.Hv, **lin)
-        self.in_proj_a = nnx.Linear(D, self.Hv, **lin)
+        self.in_proj_qkv = Linear(D, conv_dim, **lin)
+        self.in_proj_z = Linear(D, value_dim, **lin)
+        self.in_proj_b = Linear(D, self.Hv, **lin)
+        self.in_proj_a = Linear(D, self.Hv, **lin)
         self.conv1d = DepthwiseConvKernel(config.linear_conv_kernel_dim, conv_dim, param_dtype=pdt, rngs=rngs)
         # A = exp(A_log) ~ U(0.01, 16), as transformers initialises it.
         A = jax.random.uniform(rngs.params(), (self.Hv,), jnp.float32, minval=0.01, maxval=16.0)
         self.A_log = nnx.Param(jnp.log(A).astype(pdt))
         self.dt_bias = nnx.Param(jnp.ones((self.Hv,), pdt))
         self.norm = GatedRMSNorm(self.Dv, eps=config.rms_norm_eps, param_dtype=config.param_dtype)
-        self.out_proj = nnx.Linear(value_dim, D, **lin)
+        self.out_proj = Linear(value_dim, D, **lin)
 
     def __call__(
         self,

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.linear import Linear
 
 
 class MLP(nnx.Module):
@@ -14,9 +15,9 @@ class MLP(nnx.Module):
         i = config.intermediate_size if intermediate_size is None else intermediate_size
         lin = dict(use_bias=False, dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
                    rngs=rngs, kernel_init=nnx.initializers.normal(0.02))
-        self.gate_proj = nnx.Linear(config.hidden_size, i, **lin)
-        self.up_proj = nnx.Linear(config.hidden_size, i, **lin)
-        self.down_proj = nnx.Linear(i, config.hidden_size, **lin)
+        self.gate_proj = Linear(config.hidden_size, i, **lin)
+        self.up_proj = Linear(config.hidden_size, i, **lin)
+        self.down_proj = Linear(i, config.hidden_size, **lin)
 
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., D] -> [..., D]
         return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.mlp import MLP
 from qwen35_jax.layers.tiling import tiled_over_sequence
 
@@ -59,10 +60,10 @@ class SparseMoeBlock(nnx.Module):
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         lin = dict(use_bias=False, dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
                    rngs=rngs, kernel_init=nnx.initializers.normal(0.02))
-        self.gate = nnx.Linear(config.hidden_size, config.num_experts, **lin)  # router
+        self.gate = Linear(config.hidden_size, config.num_experts, **lin)  # router
         self.experts = Experts(config, rngs=rngs)
         self.shared_expert = MLP(config, config.shared_expert_intermediate_size, rngs=rngs)
-        self.shared_expert_gate = nnx.Linear(config.hidden_size, 1, **lin)
+        self.shared_expert_gate = Linear(config.hidden_size, 1, **lin)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, S, D] -> [B, S, D]; long sequences tile by tile (routing is per token)."""
