@@ -452,15 +452,19 @@ def table(rows: list[dict]) -> str:
     lines = ["| run | B x S | transformers s | ours s | ours tok/s | ours / theirs |",
              "| --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        for name in [k for k in r if k.startswith("ours")]:
+        theirs = r.get("transformers", {}).get("median_s")
+        theirs_s = f"{theirs:.3f}" if theirs else "-"
+        names = [k for k in r if k.startswith("ours")]
+        if not names:  # --stack transformers
+            lines.append(f"| {r['config']} | {r['batch']} x {r['seq']} | {theirs_s} | - | - | - |")
+        for name in names:
             ours = r[name]["median_s"]
-            theirs = r.get("transformers", {}).get("median_s")
             tok = r["batch"] * r["seq"] / ours
             ratio = f"{theirs / ours:.2f}x" if theirs else "-"
             extra = f" (MFU {r[name]['mfu']:.1%})" if "mfu" in r[name] else ""
             label = r["config"] + name[4:]
-            lines.append(f"| {label} | {r['batch']} x {r['seq']} | {f'{theirs:.3f}' if theirs else '-'} | "
-                         f"{ours:.3f} | {tok:,.0f}{extra} | {ratio} |")
+            lines.append(f"| {label} | {r['batch']} x {r['seq']} | {theirs_s} | {ours:.3f} | {tok:,.0f}{extra} | "
+                         f"{ratio} |")
     return "\n".join(lines)
 
 
