@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_jax.layers.delta_rule import document_index
+from qwen35_jax.layers.stored_cotangent import stored_cotangent
 
 
 def causal_conv1d_silu(
@@ -35,7 +36,8 @@ def causal_conv1d_silu(
             same = jnp.pad(doc, [(0, 0), (shift, 0)], constant_values=-1)[:, :S] == doc  # [B, S]
             past = jnp.where(same[..., None, None], past, 0.0)
         out = out + past * kf[Kc - 1 - shift]
-    return jax.nn.silu(out.astype(x.dtype))
+    # The backward reads the pre-activation gradient once per tap: stored once (see stored_cotangent).
+    return jax.nn.silu(stored_cotangent(out.astype(x.dtype)))
 
 
 def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:  # [..., d] -> [..., d] float32
