@@ -20,6 +20,8 @@ per second: above 1 means we are faster.
 causal document-masked attention core (`attention_core` vs `scaled_dot_product_attention` with the
 same boolean mask, 4 query / 2 kv heads of 64, 2 documents). --peak-tflops adds the model FLOPs
 utilisation of our step (`train_flops`: 6 x matmul parameters x tokens + attention scores + delta rule).
+Both child processes inherit the environment: GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (huge pages for
+large allocations, docs/training.md) speeds up both stacks and is printed in the header when set.
 """
 
 from __future__ import annotations
@@ -512,7 +514,8 @@ def main(argv: list[str] | None = None) -> int:
 
         threads = f", torch {torch.__version__} with {torch.get_num_threads()} threads"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"\njax {jax.__version__} ({jax.default_backend()}){threads}, {os.cpu_count()} CPUs, load average "
+    tunables = f", GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}" if os.environ.get("GLIBC_TUNABLES") else ""
+    print(f"\njax {jax.__version__} ({jax.default_backend()}){threads}, {os.cpu_count()} CPUs{tunables}, load average "
           f"{load:.1f}; median of {args.steps} steps after a warm-up")
     print(table(rows))
     if breakdown:
@@ -522,7 +525,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"{(r['fwd_bwd_s'] - r['fwd_s']) / r['fwd_s']:.2f} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"runs": rows, "breakdown": breakdown, "load_average_1min": load}, f, indent=1, default=str)
+            json.dump({"runs": rows, "breakdown": breakdown, "load_average_1min": load,
+                       "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}, f, indent=1, default=str)
     return 0
 
 
