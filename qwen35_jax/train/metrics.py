@@ -10,9 +10,10 @@ import json
 import math
 import os
 import sys
-import tempfile
 from collections.abc import Mapping
 from typing import Any
+
+from qwen35_jax.train.atomic_text import write_text_atomically
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
@@ -33,13 +34,6 @@ def read_metrics(run_dir: str) -> list[dict[str, Any]]:
     return rows
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", dir=os.path.dirname(path))
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None  # JSON has no NaN/inf
@@ -55,7 +49,7 @@ class MetricsLog:
         if not lead:
             return
         rows = [r for r in read_metrics(run_dir) if r.get("step", 0) <= resume_step]
-        _atomic_write_text(os.path.join(run_dir, METRICS_FILE), "".join(json.dumps(r) + "\n" for r in rows))
+        write_text_atomically(os.path.join(run_dir, METRICS_FILE), "".join(json.dumps(r) + "\n" for r in rows))
         self._file = open(os.path.join(run_dir, METRICS_FILE), "a")
         from tensorboardX import SummaryWriter
         self._tb = SummaryWriter(run_dir, purge_step=resume_step + 1 if resume_step else None)

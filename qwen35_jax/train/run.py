@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 from typing import Any
 
 import yaml
 
+from qwen35_jax.train.atomic_text import write_text_atomically
 from qwen35_jax.train.options import RESUMABLE_CHANGES, TrainOptions, differences
 
 CONFIG_FILE = "config.yaml"
@@ -62,7 +62,4 @@ def write_config(run_dir: str, options: TrainOptions) -> None:
     """RUN/config.yaml (the resolved options; `--config RUN/config.yaml` resumes), replaced atomically."""
     os.makedirs(run_dir, exist_ok=True)
     text = yaml.safe_dump(options.to_dict(), sort_keys=False)
-    fd, tmp = tempfile.mkstemp(prefix=".config.", dir=run_dir)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, os.path.join(run_dir, CONFIG_FILE))
+    write_text_atomically(os.path.join(run_dir, CONFIG_FILE), text)
