@@ -12,10 +12,10 @@ import pytest
 import torch
 from flax import nnx
 
+from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import attention_core
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.mlp import MLP
-from qwen35_jax.config import Qwen35Config
 
 
 def _inputs(b: int, s: int, h: int, k: int, dh: int):

@@ -60,12 +60,17 @@ def attend_block(qg: jax.Array, k: jax.Array, v: jax.Array, q_idx: jax.Array, q_
     return _block_forward(qg, k, v, q_idx, q_seg, kv_seg)[0]
 
 
-def _attend_block_fwd(qg, k, v, q_idx, q_seg, kv_seg):
+_Residuals = tuple[jax.Array, ...]  # qg, k, v, q_idx, q_seg, kv_seg, out [B, K, G, Q, Dh], lse [B, K, G, Q]
+
+
+def _attend_block_fwd(qg: jax.Array, k: jax.Array, v: jax.Array, q_idx: jax.Array, q_seg: jax.Array,
+                      kv_seg: jax.Array) -> tuple[jax.Array, _Residuals]:
     out, lse = _block_forward(qg, k, v, q_idx, q_seg, kv_seg)
     return out, (qg, k, v, q_idx, q_seg, kv_seg, out, lse)
 
 
-def _attend_block_bwd(residuals, d_out):
+def _attend_block_bwd(residuals: _Residuals, d_out: jax.Array  # d_out [B, K, G, Q, Dh]
+                      ) -> tuple[jax.Array, jax.Array, jax.Array, None, None, None]:  # dq, dk, dv
     qg, k, v, q_idx, q_seg, kv_seg, out, lse = residuals
     b, kh, g, nq, dh = qg.shape
     t = k.shape[2]
