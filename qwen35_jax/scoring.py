@@ -24,6 +24,7 @@ from tqdm import tqdm
 from qwen35_jax.labels import next_token_labels
 from qwen35_jax.parallel.mesh import FSDP, SP, TOKENS_BS, mesh_axis_size
 from qwen35_jax.parallel.padding import padded_size
+from qwen35_jax.xla_options import compiler_options
 
 
 def check_inputs(tokens: np.ndarray, segment_ids: np.ndarray | None, vocab_size: int, *,
@@ -121,10 +122,13 @@ def score_batches(
     seq_padded = padded_size(max(seq, 1), sp)
     data_sharding = NamedSharding(mesh, TOKENS_BS)
 
-    @nnx.jit
-    def step(model: nnx.Module, tok: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return score_tokens(model, tok, seg, temperature=temperature, backend=backend,
+    graphdef, state = nnx.split(model)
+
+    def score(state: nnx.State, tok: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+        return score_tokens(nnx.merge(graphdef, state), tok, seg, temperature=temperature, backend=backend,
                             lm_head_mode=lm_head_mode)
+
+    step = jax.jit(score, compiler_options=compiler_options())  # the train step's XLA options
 
     log_probs = np.zeros(tokens.shape, np.float32)
     entropy = np.zeros(tokens.shape, np.float32)
@@ -135,7 +139,7 @@ def score_batches(
             pad = ((0, padded_size(n, fsdp) - n), (0, seq_padded - seq))
             tok = jax.device_put(np.pad(tokens[rows].astype(np.int32), pad), data_sharding)
             seg = jax.device_put(np.pad(segment_ids[rows].astype(np.int32), pad), data_sharding)
-            lp, ent = step(model, tok, seg)
+            lp, ent = step(state, tok, seg)
             log_probs[rows] = _to_host(lp)[:n, :seq]
             entropy[rows] = _to_host(ent)[:n, :seq]
     return log_probs, entropy
