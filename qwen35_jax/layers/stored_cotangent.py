@@ -22,9 +22,7 @@ import jax.numpy as jnp
 def materialized(g: jax.Array) -> jax.Array:  # any shape -> the same values, out of a fusion of their own
     if jax.default_backend() != "cpu":
         return g
-    pair = jnp.stack([g, jnp.zeros_like(g)])  # [2, ...]
-    ones = (1,) * g.ndim
-    return jax.lax.reduce_window(pair, jnp.zeros((), g.dtype), jax.lax.add, (2, *ones), (1, *ones), "VALID")[0]
+    return jnp.sum(jnp.stack([g, jnp.zeros_like(g)]), axis=0)  # [2, ...] -> [...]
 
 
 @jax.custom_vjp
