@@ -83,11 +83,17 @@ def test_attention_backward_never_relayouts_a_score_block():
 
 
 def test_linear_on_a_batch_flattens_tokens_and_matches_nnx_linear():
+    """Same parameters as `nnx.Linear` (so HF import/export is unchanged), and x @ W against float64:
+    8-term float32 dot products of unit-scale values agree to ~1e-6."""
     x = jax.random.normal(jax.random.key(0), (2, 5, 8))
     ours = Linear(8, 12, use_bias=False, rngs=nnx.Rngs(0))
     ref = nnx.Linear(8, 12, use_bias=False, rngs=nnx.Rngs(0))
-    np.testing.assert_array_equal(np.asarray(ours(x)), np.asarray(ref(x)))
-    assert ours(x).shape == (2, 5, 12)
+    assert jax.tree.structure(nnx.state(ours)) == jax.tree.structure(nnx.state(ref))
+    np.testing.assert_array_equal(np.asarray(ours.kernel[...]), np.asarray(ref.kernel[...]))
+    want = np.asarray(x, np.float64) @ np.asarray(ours.kernel[...], np.float64)  # [2, 5, 12]
+    got = ours(x)
+    assert got.shape == (2, 5, 12)
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=1e-5, atol=1e-5)
 
 
 def test_mlp_weight_gradients_need_no_relayout_of_activations():
