@@ -12,13 +12,15 @@ from typing import Any, Mapping
 LAYER_KINDS = ("linear_attention", "full_attention")
 DTYPES = ("float32", "bfloat16", "float16")
 # Activation checkpointing of the decoder stack (docs/parallelism.md, "Remat policies"):
+#   auto    the trainer's default: "none" when its compiled step fits the device, else "full"
+#           (train/remat_choice.py); a model used on its own treats it as "full"
 #   none    keep every activation of the forward for the backward
 #   full    recompute each block of `block_period` layers in the backward; keep block inputs only
 #   dots    like full, but keep the outputs of the matmuls (recompute only the elementwise work)
 #   layer   recompute one layer at a time; keep every layer's input
 #   nested  keep block inputs; in a block's backward keep its layers' inputs, recompute one layer at a time
 #   offload nested, with the layers' inputs kept in pinned host memory instead of the device's
-REMAT_POLICIES = ("none", "full", "dots", "layer", "nested", "offload")
+REMAT_POLICIES = ("auto", "none", "full", "dots", "layer", "nested", "offload")
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 _TEXT_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _ARCHITECTURES = {
@@ -69,7 +71,7 @@ class Qwen35Config:
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     gdn_chunk_size: int = 64
-    remat: str = "full"  # one of REMAT_POLICIES; True / False mean "full" / "none"
+    remat: str = "auto"  # one of REMAT_POLICIES; True / False mean "full" / "none"
 
     def __post_init__(self) -> None:
         if isinstance(self.remat, bool):

@@ -181,7 +181,7 @@ class Qwen35ForCausalLM(nnx.Module):
             return block(x, cos, sin, segment_ids)
 
         remat = self.config.remat
-        if remat in ("full", "nested"):
+        if remat in ("full", "nested", "auto"):  # "auto" is the trainer's to resolve (train/remat_choice.py)
             step = nnx.remat(step)
         elif remat == "dots":
             step = nnx.remat(step, policy=jax.checkpoint_policies.dots_saveable)

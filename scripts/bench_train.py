@@ -65,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="our compute dtype, parameters float32 (default float32; transformers runs float32 only)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per stack, after one warm-up (default 5)")
     p.add_argument("--remat", default=None,
-                   help="Qwen35Config.remat of our model (default: the config's default): true/false or a "
+                   help="Qwen35Config.remat of our model (default: the config's, auto): true/false or a "
                         "policy name")
     p.add_argument("--gdn-precision", default=None,
                    help="matmul precision of our GDN core: auto, highest, high or default (default: auto, "
@@ -187,15 +187,15 @@ def ours_step(config, tokens) -> Callable[[], None]:
 
     from qwen35_jax.model import Qwen35ForCausalLM
     from qwen35_jax.parallel.mesh import create_sharded, make_mesh
-    from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule, make_train_step, place_batch
+    from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule, place_batch
+    from qwen35_jax.train.remat_choice import make_config_train_step
 
     mesh = make_mesh((1, 1), jax.devices()[:1])
     model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), mesh)
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tx = make_optimizer(make_schedule(1e-4, 1000))
     opt_state = init_opt_state(tx, params, mesh)
-    step = make_train_step(nnx.graphdef(model), tx, StepOptions(),
-                           jax.tree.map(lambda x: x.sharding, (params, opt_state)))
+    step = make_config_train_step(config, tx, StepOptions(), jax.tree.map(lambda x: x.sharding, (params, opt_state)))
     ones = np.ones(tokens.shape, np.int32)
     batch = place_batch({"tokens": tokens.astype(np.int32), "segment_ids": ones, "loss_mask": ones}, mesh, 1, 1)
     state = [params, opt_state]
@@ -205,6 +205,7 @@ def ours_step(config, tokens) -> Callable[[], None]:
             state[0], state[1], metrics = step(state[0], state[1], batch)
             jax.block_until_ready(metrics)
 
+    run.remat = lambda: getattr(step, "policy", None) or config.remat  # what "auto" chose, once run
     return run
 
 
@@ -257,8 +258,11 @@ def bench_config(name: str, config, batch: int, seq: int, args: argparse.Namespa
     fns = {"ours": ours_step(config, tokens)} if args.run_ours else {}
     if args.run_torch:
         fns["transformers"] = torch_step(config, tokens)
-    row = {"config": name, "batch": batch, "seq": seq, "remat": config.remat, "dtype": config.dtype,
-           "model_tflops_per_step": train_flops(config, batch, seq) / 1e12, **time_side_by_side(fns, args.steps)}
+    timings = time_side_by_side(fns, args.steps)
+    remat = config.remat if "ours" not in fns or fns["ours"].remat() == config.remat else \
+        f"{config.remat} -> {fns['ours'].remat()}"
+    row = {"config": name, "batch": batch, "seq": seq, "remat": remat, "dtype": config.dtype,
+           "model_tflops_per_step": train_flops(config, batch, seq) / 1e12, **timings}
     if args.peak_tflops and "ours" in row:
         row["ours"]["mfu"] = row["model_tflops_per_step"] / row["ours"]["median_s"] / args.peak_tflops
     return row
@@ -446,7 +450,7 @@ def bench_breakdown(config, batch: int, seq: int, steps: int) -> list[dict]:
         h = nnx.merge(graphdef, state)(tokens)
         return jnp.sum(h * h) * 1e-3
 
-    time_piece(f"model body (remat={config.remat})", jit_cpu_tuned(body), jit_cpu_tuned(jax.grad(body)), (state, tokens))
+    time_piece(f"model body (remat={'full' if config.remat == 'auto' else config.remat})", jit_cpu_tuned(body), jit_cpu_tuned(jax.grad(body)), (state, tokens))
     return results
 
 
@@ -464,7 +468,7 @@ def table(rows: list[dict]) -> str:
             tok = r["batch"] * r["seq"] / ours
             ratio = f"{theirs / ours:.2f}x" if theirs else "-"
             extra = f" (MFU {r[name]['mfu']:.1%})" if "mfu" in r[name] else ""
-            label = r["config"] + name[4:]
+            label = r["config"] + name[4:] + (f", remat {r['remat']}" if "remat" in r else "")
             lines.append(f"| {label} | {r['batch']} x {r['seq']} | {theirs_s} | {ours:.3f} | {tok:,.0f}{extra} | "
                          f"{ratio} |")
     return "\n".join(lines)

@@ -79,7 +79,7 @@ def value_and_grads(config: Qwen35Config, tokens, seg, mesh=None):
 def test_remat_accepts_bools_and_round_trips():
     assert Qwen35Config.preset("tiny", remat=True).remat == "full"
     assert Qwen35Config.preset("tiny", remat=False).remat == "none"
-    assert Qwen35Config.preset("tiny").remat == "full"
+    assert Qwen35Config.preset("tiny").remat == "auto"
     for policy in REMAT_POLICIES:
         c = Qwen35Config.preset("tiny", remat=policy)
         assert Qwen35Config(**dataclasses.asdict(c)) == c

@@ -65,6 +65,9 @@ def attention_bytes_per_token(config: Qwen35Config) -> int:
 def step_budget(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *, batch: int | None = None,
                 tile: int | None = 8192) -> dict[str, int]:
     """Per-device bytes by component for one [batch, seq] train step under `config.remat`."""
+    if config.remat == "auto":
+        raise ValueError("remat 'auto' is chosen by the trainer at its first step; budget a policy: "
+                         "'none' or 'full' (what auto picks from)")
     fsdp, sp = mesh_shape
     n = fsdp * sp
     b = fsdp if batch is None else batch

@@ -10,6 +10,7 @@ A run stops at `--steps`, on SIGTERM/SIGINT (after the current step, with a chec
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -34,7 +35,8 @@ from qwen35_jax.train.options import TrainOptions, flag
 from qwen35_jax.train.run import open_run_dir, write_config
 from qwen35_jax.train.signals import StopRequest
 from qwen35_jax.train.sources import open_eval_stream, open_train_stream
-from qwen35_jax.train.step import StepOptions, finish_eval, make_eval_step, make_train_step
+from qwen35_jax.train.remat_choice import make_config_train_step
+from qwen35_jax.train.step import StepOptions, finish_eval, make_eval_step
 
 EXIT_BAD_STEPS = 3
 
@@ -175,7 +177,9 @@ def prepare(options: TrainOptions) -> Run:
                                                  shard_index=shard_index, shard_count=shard_count,
                                                  fields=step_options.required_fields())
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
-    train_step = make_train_step(graphdef, tx, step_options, (param_shardings, jax.tree.map(lambda x: x.sharding, opt_state)))
+    train_step = make_config_train_step(config, tx, step_options,
+                                        (param_shardings, jax.tree.map(lambda x: x.sharding, opt_state)),
+                                        log=functools.partial(print, flush=True) if is_lead_process() else None)
     run = Run(options=options, mesh=mesh, config=config, meta=meta, params=params, opt_state=opt_state,
               schedule=schedule, train_step=train_step, eval_step=make_eval_step(graphdef, step_options),
               stream=stream, eval_stream=eval_stream, eval_batches=eval_batches, checkpoints=checkpoints,

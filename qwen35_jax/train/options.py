@@ -84,8 +84,9 @@ class TrainOptions:
     param_dtype: str = _opt("float32", "master weights and optimizer state dtype", "precision")
     compute_dtype: str | None = _opt(None, "matmul/activation dtype (default: bfloat16 on GPU/TPU, float32 on CPU)",
                                      "precision")
-    remat: str | None = _opt(None, "activation recomputation: none, full, dots, layer, nested, offload "
-                                   "(docs/parallelism.md; default: the model config's, full)", "precision")
+    remat: str | None = _opt(None, "activation recomputation: auto, none, full, dots, layer, nested, offload "
+                                   "(docs/parallelism.md; default: the model config's, auto: none when the "
+                                   "step fits the device, else full)", "precision")
     # --- kernels and parallelism (fallbacks without editing code)
     mesh: str | None = _opt(None, "device layout 'fsdp=F,sp=S' (default: all devices on fsdp)", "parallelism")
     attention: str = _opt("auto", "attention kernel: auto, xla, pallas", "parallelism")

@@ -1,0 +1,92 @@
+"""remat "auto": the train step recomputes activations only when it would not fit without.
+
+At its first call, `AutoRematStep` compiles the step with remat "none" and reads the compiled
+program's per-device memory (`memory_analysis`: arguments + outputs + temporaries - donated). It keeps
+that program when it needs at most `AUTO_REMAT_HEADROOM` of the device's memory, and otherwise compiles
+and keeps "full": one compile when the step fits, two when it does not. Every process decides from its
+own devices, so a cluster of unlike machines should pass an explicit policy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.hf.load import abstract_model
+from qwen35_jax.train.step import StepOptions, make_train_step
+
+AUTO_REMAT_HEADROOM = 0.85  # of the device memory: room for fragmentation and what runs beside the step
+
+
+def device_memory_bytes(device: Any | None = None) -> int:
+    """What one device can hold: the allocator's limit on GPU/TPU, the host RAM shared by the local
+    devices on CPU (which reports no limit)."""
+    device = jax.local_devices()[0] if device is None else device
+    stats = device.memory_stats() or {}
+    if stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // jax.local_device_count()
+
+
+def compiled_bytes(compiled: Any) -> int:
+    """Per-device peak of a compiled step: arguments + outputs + temporaries - aliased (donated)."""
+    m = compiled.memory_analysis()
+    return (m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+            - m.alias_size_in_bytes)
+
+
+class AutoRematStep:
+    """A train step (`step(params, opt_state, batch)`) that picks its remat policy at its first call.
+
+    make_step(policy) builds the jitted step of one policy. The choice is compiled from the first
+    call's arguments (inside the caller's mesh and kernel contexts); later calls run that program,
+    so every batch must keep the first one's shapes and shardings, as the trainer's do.
+    """
+
+    def __init__(self, make_step: Callable[[str], Any], *, limit_bytes: int | None = None,
+                 log: Callable[[str], None] | None = None):
+        self._make_step = make_step
+        self._limit = limit_bytes
+        self._log = log
+        self._compiled: Any = None
+        self.policy: str | None = None  # "none" or "full", once compiled
+        self.needed_bytes: int | None = None  # per device, of the step without recomputation
+
+    def __call__(self, params: Any, opt_state: Any, batch: Any) -> Any:
+        if self._compiled is None:
+            self._choose(params, opt_state, batch)
+        return self._compiled(params, opt_state, batch)
+
+    def _choose(self, *args: Any) -> None:
+        limit = device_memory_bytes() if self._limit is None else self._limit
+        try:
+            without = self._make_step("none").lower(*args).compile()
+            self.needed_bytes = compiled_bytes(without)
+        except jax.errors.JaxRuntimeError as err:  # a compiler that refuses what cannot fit
+            if "RESOURCE_EXHAUSTED" not in str(err):
+                raise
+            without, self.needed_bytes = None, None
+        fits = self.needed_bytes is not None and self.needed_bytes <= AUTO_REMAT_HEADROOM * limit
+        self.policy = "none" if fits else "full"
+        self._compiled = without if fits else self._make_step("full").lower(*args).compile()
+        if self._log is not None:
+            needs = ("more than the compiler could fit" if self.needed_bytes is None else
+                     f"{self.needed_bytes / 2**30:.2f} GiB per device, {'within' if fits else 'over'} "
+                     f"{AUTO_REMAT_HEADROOM:.0%} of the device's {limit / 2**30:.1f} GiB")
+            self._log(f"remat auto -> {self.policy}: without recomputation the step needs {needs}")
+
+
+
+def make_config_train_step(config: Qwen35Config, tx: optax.GradientTransformation, options: StepOptions,
+                           shardings: tuple[Any, Any], *, log: Callable[[str], None] | None = None) -> Any:
+    """The trainer's step (`make_train_step`) for `config`; an `AutoRematStep` when its remat is "auto"."""
+
+    def make_step(policy: str) -> Any:
+        return make_train_step(abstract_model(config.replace(remat=policy))[0], tx, options, shardings)
+
+    return AutoRematStep(make_step, log=log) if config.remat == "auto" else make_step(config.remat)
