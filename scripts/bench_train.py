@@ -20,8 +20,10 @@ per second: above 1 means we are faster.
 causal document-masked attention core (`attention_core` vs `scaled_dot_product_attention` with the
 same boolean mask, 4 query / 2 kv heads of 64, 2 documents). --peak-tflops adds the model FLOPs
 utilisation of our step (`train_flops`: 6 x matmul parameters x tokens + attention scores + delta rule).
-Both child processes inherit the environment: GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (huge pages for
-large allocations, docs/training.md) speeds up both stacks and is printed in the header when set.
+Each stack runs with what its users get by default: ours restarts with
+GLIBC_TUNABLES=glibc.malloc.hugetlb=1 as scripts/train.py does (huge pages for XLA:CPU's scratch
+buffers, `qwen35_jax/host_memory.py`), transformers runs in the environment it was given. Launch with
+that variable set to give it to both; the header prints each stack's GLIBC_TUNABLES.
 """
 
 from __future__ import annotations
@@ -474,8 +476,9 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_isolated(argv: list[str]) -> tuple[list[dict], list[dict] | None]:
-    """Every row timed in two child processes, `--stack ours` then `--stack transformers`, merged."""
+def run_isolated(argv: list[str]) -> tuple[list[dict], list[dict] | None, dict[str, str | None]]:
+    """Every row timed in two child processes, `--stack ours` then `--stack transformers`, merged;
+    and each child's GLIBC_TUNABLES."""
     import subprocess
     import tempfile
 
@@ -489,7 +492,8 @@ def run_isolated(argv: list[str]) -> tuple[list[dict], list[dict] | None]:
             with open(out) as f:
                 results[stack] = json.load(f)
     rows = [{**theirs, **ours} for ours, theirs in zip(results["ours"]["runs"], results["transformers"]["runs"])]
-    return rows, results["ours"]["breakdown"]
+    tunables = {stack: results[stack]["glibc_tunables"][stack] for stack in results}
+    return rows, results["ours"]["breakdown"], tunables
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -499,8 +503,9 @@ def main(argv: list[str] | None = None) -> int:
     from qwen35_jax.layers.delta_rule import gdn_precision
 
     rows, breakdown = [], None
+    tunables = {args.stack: os.environ.get("GLIBC_TUNABLES")}
     if args.stack == "both" and args.run_torch:
-        rows, breakdown = run_isolated(sys.argv[1:] if argv is None else argv)
+        rows, breakdown, tunables = run_isolated(sys.argv[1:] if argv is None else argv)
     else:
         with gdn_precision(args.gdn_precision):
             planned = runs(args)
@@ -518,8 +523,9 @@ def main(argv: list[str] | None = None) -> int:
 
         threads = f", torch {torch.__version__} with {torch.get_num_threads()} threads"
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    tunables = f", GLIBC_TUNABLES={os.environ['GLIBC_TUNABLES']}" if os.environ.get("GLIBC_TUNABLES") else ""
-    print(f"\njax {jax.__version__} ({jax.default_backend()}){threads}, {os.cpu_count()} CPUs{tunables}, load average "
+    malloc = ", ".join(f"{stack} {value or 'unset'}" for stack, value in tunables.items())
+    print(f"\njax {jax.__version__} ({jax.default_backend()}){threads}, {os.cpu_count()} CPUs, GLIBC_TUNABLES: "
+          f"{malloc}; load average "
           f"{load:.1f}; median of {args.steps} steps after a warm-up")
     print(table(rows))
     if breakdown:
@@ -530,9 +536,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": rows, "breakdown": breakdown, "load_average_1min": load,
-                       "glibc_tunables": os.environ.get("GLIBC_TUNABLES")}, f, indent=1, default=str)
+                       "glibc_tunables": tunables}, f, indent=1, default=str)
     return 0
 
 
 if __name__ == "__main__":
+    if parse_args().stack == "ours":  # our stack runs in the trainer's start-up environment
+        from qwen35_jax.host_memory import restart_with_huge_pages
+
+        restart_with_huge_pages()
     sys.exit(main())

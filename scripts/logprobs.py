@@ -132,4 +132,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 if __name__ == "__main__":
+    from qwen35_jax.host_memory import restart_with_huge_pages
+
+    restart_with_huge_pages()  # as scripts/train.py: huge-page malloc for XLA:CPU's scratch buffers
     sys.exit(main())

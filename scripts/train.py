@@ -38,4 +38,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    from qwen35_jax.host_memory import restart_with_huge_pages
+
+    restart_with_huge_pages()  # once, before anything starts: glibc reads its tunables at start-up
     sys.exit(main())
