@@ -9,6 +9,9 @@ probabilities from the log-sum-exp, then the usual products. Two choices make it
     [Q, T] block into its transpose first; those copies were half the time of the whole core.
   - The row max is a plain compare-and-select reduction: `jnp.max` propagates NaN, which XLA:CPU
     does not vectorise (7x slower). A NaN score still reaches the output through exp and the sum.
+  - The softmax denominators come out of the p @ v matmul, as the product with a column of ones
+    appended to v: XLA:CPU turns a row sum over more than 32 keys into a reduce-window tree that
+    reads p once more from memory (the attention core is 7% faster without it).
 """
 
 from __future__ import annotations
@@ -44,8 +47,10 @@ def _block_forward(qg: jax.Array, k: jax.Array, v: jax.Array, q_idx: jax.Array, 
     s = _masked_scores(qg, k, _block_mask(q_idx, q_seg, kv_seg, k.shape[2]))
     m = _row_max(s)  # every row keeps its diagonal, so m is a real score
     p = jnp.exp(s - m)
-    denom = jnp.sum(p, axis=-1, keepdims=True)  # [B, K, G, Q, 1]
-    out = jnp.einsum("bkgqt,bktd->bkgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32) / denom
+    v_one = jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)  # [B, K, T, Dh + 1]
+    out_sum = jnp.einsum("bkgqt,bktd->bkgqd", p.astype(v.dtype), v_one, preferred_element_type=jnp.float32)
+    denom = out_sum[..., -1:]  # [B, K, G, Q, 1]: the row sums of p, from the same matmul as p @ v
+    out = out_sum[..., :-1] / denom
     return out.astype(v.dtype), (m + jnp.log(denom))[..., 0]
 
 

@@ -80,7 +80,7 @@ def _forward(hidden, weight, labels, temperature, block_t, block_v):
         def vocab_step(j, stats):
             w_v, cols, first = _vocab_block(w_bits, weight.dtype, j, bv)
             z = _tile_logits(h_t, w_v, cols, first, V, temperature)
-            return tiles.update_stats(stats, z, cols, l_t)
+            return tiles.update_stats(stats, z, cols, l_t, row_max=tiles.select_row_max)
 
         init = tiles.match_vma(tiles.init_stats((bt, 1)), h_t, weight, l_t)
         return tiles.finish_stats(lax.fori_loop(0, nv, vocab_step, init))
