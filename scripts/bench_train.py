@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     from qwen35_jax.layers.delta_rule import gdn_precision
 
     rows, breakdown = [], None
-    tunables = {args.stack: os.environ.get("GLIBC_TUNABLES")}
+    tunables = {"ours" if not args.run_torch else args.stack: os.environ.get("GLIBC_TUNABLES")}
     if args.stack == "both" and args.run_torch:
         rows, breakdown, tunables = run_isolated(sys.argv[1:] if argv is None else argv)
     else:
@@ -541,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    if parse_args().stack == "ours":  # our stack runs in the trainer's start-up environment
+    args = parse_args()
+    if args.run_ours and not args.run_torch:  # our stack alone: in the trainer's start-up environment
         from qwen35_jax.host_memory import restart_with_huge_pages
 
         restart_with_huge_pages()
