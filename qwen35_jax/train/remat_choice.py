@@ -81,7 +81,6 @@ class AutoRematStep:
             self._log(f"remat auto -> {self.policy}: without recomputation the step needs {needs}")
 
 
-
 def make_config_train_step(config: Qwen35Config, tx: optax.GradientTransformation, options: StepOptions,
                            shardings: tuple[Any, Any], *, log: Callable[[str], None] | None = None) -> Any:
     """The trainer's step (`make_train_step`) for `config`; an `AutoRematStep` when its remat is "auto"."""
