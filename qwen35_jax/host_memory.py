@@ -8,7 +8,8 @@ glibc reads tunables only when a process starts, so `scripts/train.py` and the b
 `restart_with_huge_pages()` first thing: it re-executes the same command line, with the same pid, once.
 
 It does nothing off Linux, on another C library or glibc before 2.35, when THP is "never", when
-GLIBC_TUNABLES already sets `glibc.malloc.hugetlb`, or when QWEN35_KEEP_MALLOC is set (any value).
+GLIBC_TUNABLES already sets `glibc.malloc.hugetlb`, when QWEN35_KEEP_MALLOC is set (any value), and
+for a program read from stdin or an interactive session (neither could be run again).
 On GPU and TPU the scratch buffers live on the device; the setting only touches host allocations.
 """
 
@@ -58,7 +59,7 @@ def restart_with_huge_pages() -> None:
 
     Call it before anything else starts (threads, open files, jax): the process image is replaced.
     """
-    if sys.platform != "linux":
+    if sys.platform != "linux" or sys.argv[0] in ("", "-"):  # interactive, or a program read from stdin
         return
     env = huge_page_environment(os.environ, glibc=glibc_version(), thp=transparent_huge_pages_usable())
     if env is None:

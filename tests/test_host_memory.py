@@ -55,3 +55,9 @@ def test_a_process_restarts_once_with_its_command_line():
     applies = sys.platform == "linux" and (glibc_version() or (0, 0)) >= (2, 35) and transparent_huge_pages_usable()
     assert run_restart(env) == f"{HUGE_PAGES if applies else None} ['--flag', 'value']"
     assert run_restart({**env, OPT_OUT: "1"}) == "None ['--flag', 'value']"
+
+
+def test_a_program_read_from_stdin_is_not_restarted():
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", OPT_OUT)}
+    out = subprocess.run([sys.executable, "-"], input=RESTART, env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "None []"  # ran once, in this process, without the tunable
