@@ -3,12 +3,13 @@ flash-style custom VJP.
 
 Forward of one block: scores against every key up to the block's last query, masked, softmax in
 float32; it saves only its inputs, the output and the per-row log-sum-exp. Backward: recompute the
-probabilities from the log-sum-exp, then the usual products. Two choices make it fast on XLA:CPU:
+probabilities from the log-sum-exp, then the usual products. Three choices make it fast on XLA:CPU:
   - dK and dV come out transposed, [Dh, T] = [Dh, Q] @ [Q, T]: the [Q, T] score gradient is then a
     row-major right operand. Written as [T, Q] @ [Q, Dh] (what autodiff emits), XLA:CPU copies every
     [Q, T] block into its transpose first; those copies were half the time of the whole core.
-  - The row max is a plain compare-and-select reduction: `jnp.max` propagates NaN, which XLA:CPU
-    does not vectorise (7x slower). A NaN score still reaches the output through exp and the sum.
+  - The row max is a plain compare-and-select reduction (`select_row_max`, shared with the fused
+    loss): `jnp.max` propagates NaN, which XLA:CPU does not vectorise (7x slower). A NaN score still
+    reaches the output through exp and the sum.
   - The softmax denominators come out of the p @ v matmul, as the product with a column of ones
     appended to v: XLA:CPU turns a row sum over more than 32 keys into a reduce-window tree that
     reads p once more from memory (the attention core is 7% faster without it).
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from qwen35_kernels.logprob_entropy.tiles import select_row_max
 
 _MASKED = float(jnp.finfo(jnp.float32).min)
 
@@ -28,11 +29,6 @@ def _block_mask(q_idx: jax.Array, q_seg: jax.Array, kv_seg: jax.Array, t: int) -
     causal = q_idx[:, None] >= jnp.arange(t)[None, :]  # [Q, T]
     same_doc = q_seg[:, :, None] == kv_seg[:, None, :]  # [B, Q, T]
     return (causal[None] & same_doc)[:, None, None]
-
-
-def _row_max(x: jax.Array) -> jax.Array:
-    """[..., T] -> [..., 1]: max over the last axis, not NaN-propagating (see the module docstring)."""
-    return jax.lax.reduce(x, np.float32(-np.inf), lambda a, b: jnp.where(a > b, a, b), (x.ndim - 1,))[..., None]
 
 
 def _masked_scores(qg: jax.Array, k: jax.Array, mask: jax.Array) -> jax.Array:
@@ -45,7 +41,7 @@ def _block_forward(qg: jax.Array, k: jax.Array, v: jax.Array, q_idx: jax.Array, 
                    kv_seg: jax.Array) -> tuple[jax.Array, jax.Array]:
     """-> out [B, K, G, Q, Dh] in v's dtype, lse [B, K, G, Q] float32 (log-sum-exp of each row's scores)."""
     s = _masked_scores(qg, k, _block_mask(q_idx, q_seg, kv_seg, k.shape[2]))
-    m = _row_max(s)  # every row keeps its diagonal, so m is a real score
+    m = select_row_max(s)  # every row keeps its diagonal, so m is a real score
     p = jnp.exp(s - m)
     v_one = jnp.concatenate([v, jnp.ones((*v.shape[:-1], 1), v.dtype)], axis=-1)  # [B, K, T, Dh + 1]
     out_sum = jnp.einsum("bkgqt,bktd->bkgqd", p.astype(v.dtype), v_one, preferred_element_type=jnp.float32)

@@ -27,8 +27,9 @@ def run(*, preset: str, mesh: str, device_memory: str, seq: int | None = None, r
 
     from qwen35_jax.parallel.mesh import parse_mesh
 
-    if remat not in REMAT_POLICIES or remat == "auto":
-        raise ValueError(f"--remat {remat!r}: measure one of {REMAT_POLICIES[1:]} ('auto' is the trainer's "
+    measurable = tuple(policy for policy in REMAT_POLICIES if policy != "auto")
+    if remat not in measurable:
+        raise ValueError(f"--remat {remat!r}: measure one of {measurable} ('auto' is the trainer's "
                          "choice between 'none' and 'full' at its first step)")
     if gdn_mode not in GDN_MODES:
         raise ValueError(f"--gdn-mode {gdn_mode!r} is not one of {GDN_MODES}")
