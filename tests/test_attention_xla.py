@@ -14,6 +14,7 @@ from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import attention_core
+from qwen35_jax.layers.attention_xla import MAX_KEY_STARTS, first_visible_key, key_starts
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.mlp import MLP
 
@@ -61,6 +62,69 @@ def test_attention_core_and_its_vjp_match_float64(block_q):
     for name, g, gw in zip("qkv", grads, want_grads):
         err = np.abs(np.asarray(g, np.float64) - gw).max() / np.abs(gw).max()
         assert err < 1e-5, (name, err)
+
+
+def test_first_visible_key_is_the_first_key_each_query_may_attend_to():
+    """Against the mask itself, on rows with reused ids (a document id that comes back later), padding and
+    one document: the smallest j <= i with the same id as query i."""
+    rng = np.random.default_rng(1)
+    rows = [rng.integers(0, 4, 50), np.repeat([3, 1, 3, 0, 2, 1], [9, 7, 5, 11, 8, 10]), np.full(50, 7)]
+    seg = np.stack(rows).astype(np.int32)  # [3, 50]
+    got = np.asarray(first_visible_key(jnp.asarray(seg)))
+    want = [[min(j for j in range(i + 1) if row[j] == row[i]) for i in range(len(row))] for row in seg]
+    np.testing.assert_array_equal(got, want)
+
+
+def test_key_starts_are_whole_tiles_up_to_the_block_and_at_most_the_cap():
+    assert key_starts(0, 16) == (0,)
+    assert key_starts(48, 16) == (0, 16, 32, 48)
+    long = key_starts(100 * 16, 16)  # 101 tiles: every 13th
+    assert len(long) <= MAX_KEY_STARTS and long[0] == 0 and long[-1] <= 100 * 16
+    assert all(b - a == 13 * 16 for a, b in zip(long, long[1:]))
+
+
+def _xla_grad(seg: np.ndarray, w: np.ndarray, block_q: int):
+    def loss(q, k, v):
+        out = attention_core(q, k, v, jnp.asarray(seg), block_q=block_q, implementation="xla")
+        return jnp.sum(out * w), out
+
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def _assert_matches_float64(q, k, v, seg, w, block_q):
+    """Output and gradients against float64 autograd, to float32 rounding (as in the test above)."""
+    want, want_grads = _torch_float64(q, k, v, seg, w)
+    (_, got), grads = _xla_grad(seg, w, block_q)(q, k, v)
+    assert np.abs(np.asarray(got) - want).max() / np.abs(want).max() < 1e-5
+    for name, g, gw in zip("qkv", grads, want_grads):
+        err = np.abs(np.asarray(g, np.float64) - gw).max() / np.abs(gw).max()
+        assert err < 1e-5, (name, err)
+
+
+def test_keys_no_query_of_a_block_can_see_are_never_read():
+    """Documents at 0, 21 and 37 with block_q 16: the blocks from 48 on skip keys [0, 32). Document 1's
+    values are NaN; a block that read them would return NaN (0 * NaN), as block [32, 48) does, which holds
+    document 2's keys from 21 on and so starts at 16."""
+    q, k, v, _, w = _inputs(1, 80, 4, 2, 16)
+    seg = np.repeat([1, 2, 3], [21, 16, 43])[None].astype(np.int32)
+    v_nan = v.copy()
+    v_nan[0, :21] = np.nan
+    grad = _xla_grad(seg, w, 16)
+    out_nan = np.asarray(grad(q, k, v_nan)[0][1])
+    assert np.isfinite(out_nan[:, 48:]).all()
+    assert np.isnan(out_nan[:, 32:48]).all()
+    np.testing.assert_array_equal(out_nan[:, 48:], np.asarray(grad(q, k, v)[0][1])[:, 48:])
+    _assert_matches_float64(q, k, v, seg, w, 16)
+
+
+def test_key_skipping_is_exact_when_a_document_id_comes_back():
+    """Row 1 reuses id 5 after another document: the block [64, 80) holds only the second run of 5, which
+    still attends to the first run at [10, 20), so no key tile of that block may be skipped (a skip bound
+    from where the run starts would drop them). Row 0's late documents alone would allow skipping; the
+    skip is the smallest over the batch."""
+    q, k, v, _, w = _inputs(2, 80, 4, 2, 16)
+    seg = np.stack([np.repeat([1, 2, 3], [21, 16, 43]), np.repeat([4, 5, 6, 5], [10, 10, 30, 30])]).astype(np.int32)
+    _assert_matches_float64(q, k, v, seg, w, 16)
 
 
 def _largest_relayout(fn, *args) -> int:
