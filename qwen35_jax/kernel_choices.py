@@ -32,7 +32,7 @@ def explain_compile_failure(err: Exception, *, attention: str, logprob_backend: 
     fallbacks = []
     if attention in ("auto", "pallas"):
         fallbacks.append("--attention xla")
-    if logprob_backend in ("auto", "pallas"):
+    if logprob_backend == "pallas" or (logprob_backend == "auto" and jax.default_backend() == "tpu"):
         fallbacks.append("--logprob-backend xla")
     if not fallbacks:
         return None

@@ -53,7 +53,7 @@ def score_tokens(
     """
     hidden = model(tokens, segment_ids=segment_ids)  # [B, S, D]
     labels = next_token_labels(tokens, segment_ids)  # [B, S], global shift
-    weight = model.lm_head_weight()  # [D, V]
+    weight = model.lm_head_weight().astype(hidden.dtype)  # [D, V]: the matmul in the compute dtype, as logits()
     mesh = jax.sharding.get_abstract_mesh()
     n = mesh_axis_size(mesh, FSDP) * mesh_axis_size(mesh, SP)
     if n == 1:

@@ -127,6 +127,23 @@ def test_bfloat16_inputs(variant):
     _check(variant, T=37, D=48, V=203, temperature=1.0, dtype=jnp.bfloat16, tol_val=1e-4, tol_grad=1e-2)
 
 
+@pytest.mark.parametrize("variant", ["xla", "pallas-gpu-layout", "pallas-tpu-layout"])
+def test_bfloat16_hidden_with_float32_weight(variant):
+    # What a bf16-compute model hands the kernel when its lm_head weight stays float32: every backend
+    # multiplies in the promoted dtype (float32), as jnp.dot does. Values against float64 on the rounded
+    # hidden states to float32 rounding; dh is rounded to bf16 on output (1e-2 of its largest entry), dW
+    # stays float32 (1e-4).
+    h, w, labels, g_lp, g_ent = _problem(0, 37, 48, 203)
+    h = h.astype(jnp.bfloat16)
+    lp, ent, dh, dw = _value_and_grads(variant, h, w, labels, 1.0, g_lp, g_ent)
+    r_lp, r_ent, r_dh, r_dw = np_logprob_entropy(np.asarray(h.astype(jnp.float32)), np.asarray(w), labels, 1.0,
+                                                 g_lp, g_ent)
+    assert dh.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+    np.testing.assert_allclose(lp, r_lp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(ent, r_ent, rtol=1e-5, atol=1e-5)
+    assert _rel(dh, r_dh) < 1e-2 and _rel(dw, r_dw) < 1e-4, (_rel(dh, r_dh), _rel(dw, r_dw))
+
+
 def test_ignored_labels_send_no_gradient():
     h, w, labels, _, _ = _problem(1, 24, 16, 150, ignore_frac=0.5)
     ignored = np.asarray(labels) < 0
@@ -251,7 +268,7 @@ def test_xla_scratch_memory_is_flat_in_tokens():
 
 
 def test_auto_backend_on_cpu_is_xla():
-    assert api.resolve_backend("auto") == ("xla" if jax.default_backend() == "cpu" else "pallas")
+    assert api.resolve_backend("auto") == ("pallas" if jax.default_backend() == "tpu" else "xla")
 
 
 @pytest.mark.parametrize(
@@ -310,10 +327,12 @@ def test_api_pallas_backend_interprets_on_cpu():
         ("tpu", "tpu", {"_tpu_fwd_kernel", "_tpu_dh_kernel", "_tpu_dw_kernel"}),
     ],
 )
-@pytest.mark.parametrize("shape", [(1000, 512, 5003), (8192, 4096, 248320)], ids=["ragged", "qwen"])
-def test_pallas_lowers_for_gpu_and_tpu(layout, platform, kernels, shape):
+@pytest.mark.parametrize("shape, w_dtype", [((1000, 512, 5003), jnp.bfloat16), ((8192, 4096, 248320), jnp.bfloat16),
+                                            ((1000, 512, 5003), jnp.float32)], ids=["ragged", "qwen", "f32-weight"])
+def test_pallas_lowers_for_gpu_and_tpu(layout, platform, kernels, shape, w_dtype):
     # Cross-platform lowering on this CPU machine: Pallas -> Triton IR ("cuda") and -> Mosaic ("tpu"),
-    # forward and backward kernels. Compiling that IR to device code needs the device itself.
+    # forward and backward kernels. Compiling that IR to device code needs the device itself. The
+    # f32-weight case is a bf16-compute model's float32 lm_head: Triton's dot takes one element type.
     T, D, V = shape
     blk = pallas.make_blocks(layout, interpret=False)
 
@@ -327,7 +346,7 @@ def test_pallas_lowers_for_gpu_and_tpu(layout, platform, kernels, shape):
 
     args = (
         jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
-        jax.ShapeDtypeStruct((D, V), jnp.bfloat16),
+        jax.ShapeDtypeStruct((D, V), w_dtype),
         jax.ShapeDtypeStruct((T,), jnp.int32),
         jax.ShapeDtypeStruct((2, T), jnp.float32),
     )

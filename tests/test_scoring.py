@@ -60,6 +60,20 @@ def test_fused_scores_equal_full_logits_on_every_mesh(model, layout):
     assert lp[0, 4] == 0 and lp[1, 8:].tolist() == [0.0] * 5 and ent[1, 9:].tolist() == [0.0] * 4
 
 
+def test_bfloat16_compute_scores_with_the_lm_head_in_bfloat16():
+    """With dtype bfloat16 the fused loss multiplies the bf16 hidden states by the lm_head weight cast to
+    bf16, as `logits()` does (float32 accumulation in both): the scores equal the full-logits truth of
+    the same model to float32 summation order. A float32 weight would differ by bf16 rounding (~4e-3)."""
+    config = CONFIG.replace(dtype="bfloat16")
+    bf16_model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(3))
+    tokens, segments = packed_batch(np.random.default_rng(1))
+    mesh = make_mesh("fsdp=1,sp=1", jax.devices()[:1])
+    lp, ent = score_batches(on_mesh(bf16_model, mesh), tokens, segments, mesh=mesh)
+    want_lp, want_ent = full_logits_scores(bf16_model, tokens, segments, 1.0)
+    np.testing.assert_allclose(lp, want_lp, atol=1e-4)
+    np.testing.assert_allclose(ent, want_ent, atol=1e-4)
+
+
 def test_vocab_parallel_lm_head_equals_gather(model):
     tokens, segments = packed_batch(np.random.default_rng(1), batch=4, seq=16)
     mesh = make_mesh("fsdp=2,sp=4")

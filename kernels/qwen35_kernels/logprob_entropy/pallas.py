@@ -385,5 +385,11 @@ def token_stats(
     *,
     blocks: Blocks | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (lse, entropy, label_logit), 3 x [T] float32
-    """See reference.token_stats for the contract; `blocks` from make_blocks (default: this platform)."""
-    return _stats(hidden, weight, labels, float(temperature), blocks or make_blocks())
+    """See reference.token_stats for the contract; `blocks` from make_blocks (default: this platform).
+
+    Mixed dtypes multiply in their promoted dtype, as `jnp.dot` (and the xla backend) does: the kernels'
+    tile matmuls take one element type. Gradients come back in each input's own dtype.
+    """
+    common = jnp.promote_types(hidden.dtype, weight.dtype)
+    return _stats(hidden.astype(common), weight.astype(common), labels, float(temperature),
+                  blocks or make_blocks())

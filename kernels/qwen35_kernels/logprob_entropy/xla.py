@@ -25,8 +25,16 @@ from jax import lax
 
 from . import tiles
 
-DEFAULT_BLOCK_T = 1024
-DEFAULT_BLOCK_V = 2048
+# (block_t, block_v) per backend. On CPU a [1024, 2048] float32 tile stays in cache-friendly sizes. On
+# GPU every loop iteration is a handful of kernel launches, so the tiles are as large as memory allows
+# cheaply ([8192, 4096] float32 = 128 MiB): at T = 8192, V = 248,320 the backward is 61 iterations
+# instead of 976 (an H200 spent 82 ms in the latter, 8,784 small kernels).
+DEFAULT_BLOCKS = {"cpu": (1024, 2048), "gpu": (8192, 4096), "tpu": (8192, 4096)}
+
+
+def default_blocks() -> tuple[int, int]:
+    """(block_t, block_v) for this backend."""
+    return DEFAULT_BLOCKS.get(jax.default_backend(), DEFAULT_BLOCKS["gpu"])
 
 
 def _round_up(x: int, m: int) -> int:
@@ -155,8 +163,9 @@ def token_stats(
     labels: jax.Array,  # [T] int
     temperature: float = 1.0,
     *,
-    block_t: int = DEFAULT_BLOCK_T,
-    block_v: int = DEFAULT_BLOCK_V,
+    block_t: int | None = None,
+    block_v: int | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (lse, entropy, label_logit), 3 x [T] float32
-    """See reference.token_stats for the contract."""
-    return _stats(hidden, weight, labels, float(temperature), int(block_t), int(block_v))
+    """See reference.token_stats for the contract; block sizes default to `default_blocks()`."""
+    bt, bv = default_blocks()
+    return _stats(hidden, weight, labels, float(temperature), int(block_t or bt), int(block_v or bv))
