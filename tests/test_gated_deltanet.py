@@ -11,6 +11,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from float64_reference import float64_copy, torch_float64
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.chunk_states import gdn_chunk_scan
 from qwen35_jax.layers.gated_deltanet import GatedDeltaNet, gdn_core
 
 B = 2
@@ -86,7 +87,8 @@ def test_matches_transformers(S):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-def test_gradients_match_torch_autograd():
+@pytest.mark.parametrize("scan", ["sequential", "associative"])  # the CPU default; the GPU/TPU default
+def test_gradients_match_torch_autograd(scan):
     ref, ours = _pair(seed=2, chunk_size=16)
     S = 40
     x = _x(S, seed=3)
@@ -106,7 +108,8 @@ def test_gradients_match_torch_autograd():
     def loss(p):
         return jnp.sum(nnx.merge(graphdef, p)(jnp.asarray(x)) * w)
 
-    grads = jax.jit(jax.grad(loss))(params)
+    with gdn_chunk_scan(scan):
+        grads = jax.jit(jax.grad(loss))(params)
     got = {
         "A_log": grads["A_log"][...],
         "dt_bias": grads["dt_bias"][...],

@@ -26,6 +26,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
+from qwen35_jax.layers.chunk_states import CHUNK_STATES, resolve_gdn_chunk_scan
 from qwen35_jax.layers.tiling import delta_rule_tile, tiled_delta_rule
 from qwen35_jax.layers.triangular import unit_lower_inverse
 
@@ -157,8 +158,10 @@ def chunked_gated_delta_rule(
     initial_state: jax.Array | None = None,  # [B, Hv, Dk, Dv]
     chunk_size: int = 64,
     precision: str | None = None,
+    chunk_scan: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] float32, [B, Hv, Dk, Dv] float32
-    """Chunked UT/WY form: intra-chunk work as batched matmuls, `lax.scan` over chunks for the state.
+    """Chunked UT/WY form: intra-chunk work as batched matmuls, then the state carried over chunks by
+    `chunk_scan` (see `chunk_states.py`; None: the `gdn_chunk_scan` context, "auto" by default).
 
     Document boundaries are masks on the intra-chunk decay matrix, on which tokens read the carried
     state, and on which tokens (and whether the old state) enter the state carried out of a chunk.
@@ -171,7 +174,8 @@ def chunked_gated_delta_rule(
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     tile = delta_rule_tile(chunk_size)  # long sequences: tile by tile, one tile's chunks in memory at a time
     if tile is not None and q.ndim == 4 and q.shape[1] > tile:
-        return tiled_delta_rule(functools.partial(chunked_gated_delta_rule, precision=precision), q, k, v, g, beta,
+        rule = functools.partial(chunked_gated_delta_rule, precision=precision, chunk_scan=chunk_scan)
+        return tiled_delta_rule(rule, q, k, v, g, beta,
                                 segment_ids=segment_ids, initial_state=initial_state, chunk_size=chunk_size,
                                 tile=tile)
     prec = resolve_gdn_precision(precision)
@@ -225,18 +229,11 @@ def chunked_gated_delta_rule(
     k_write = k * (jnp.exp(cum[..., -1:] - cum) * writes_state)[..., None]
     chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
 
-    def step(S, xs):  # S [B, Hv, Dk, Dv]
-        u_c, w_c, q_c, k_c, intra_c, dec_c = xs
-        v_new = u_c - jnp.einsum("bhlk,bhkv->bhlv", w_c, S, precision=prec)
-        o = jnp.einsum("bhlk,bhkv->bhlv", q_c, S, precision=prec)
-        o = o + jnp.einsum("bhij,bhjv->bhiv", intra_c, v_new, precision=prec)
-        S = S * dec_c[..., None, None] + jnp.einsum("bhlk,bhlv->bhkv", k_c, v_new, precision=prec)
-        return S, o
-
-    def scanned(x):  # [B, n, Hk, G, ...] -> [n, B, Hv, ...]
+    def chunk_major(x):  # [B, n, Hk, G, ...] -> [n, B, Hv, ...]
         return jnp.moveaxis(x.reshape(B, n, Hv, *x.shape[4:]), 1, 0)
 
-    xs = tuple(scanned(x) for x in (u, w, q_read, k_write, intra, chunk_decay))
-    state, out = jax.lax.scan(step, state, xs)  # out [n, B, Hv, L, Dv]
+    carry_state = CHUNK_STATES[resolve_gdn_chunk_scan(chunk_scan)]
+    out, state = carry_state(*(chunk_major(x) for x in (u, w, q_read, k_write, intra, chunk_decay)), state,
+                             prec)  # out [n, B, Hv, L, Dv]
     out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
     return out, state
