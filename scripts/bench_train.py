@@ -69,16 +69,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remat", default=None,
                    help="Qwen35Config.remat of our model (default: the config's, auto): true/false or a "
                         "policy name")
+    p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
+                   help="our attention kernel, as scripts/train.py's --attention (default auto: Pallas on GPU/TPU)")
+    p.add_argument("--logprob-backend", choices=["auto", "xla", "pallas"], default="auto",
+                   help="our fused log-prob backend, as scripts/train.py's (default auto: Pallas on TPU, XLA elsewhere)")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="after the timed steps, trace one more step of ours with jax.profiler into DIR")
     p.add_argument("--gdn-precision", default=None,
                    help="matmul precision of our GDN core: auto, highest, high or default (default: auto, "
                         "highest on CPU, default elsewhere)")
+    p.add_argument("--gdn-chunk-scan", default=None,
+                   help="how our GDN core carries its state over chunks: auto, sequential or associative "
+                        "(default: auto, sequential on CPU, associative elsewhere)")
     p.add_argument("--cores", nargs="*", choices=["gdn", "attention"], default=None,
                    help="also time the sequence mixers alone (no names: both)")
+    p.add_argument("--cores-only", action="store_true", help="time --cores alone, no train step")
     p.add_argument("--core-seq", type=int, default=4096, help="sequence length of --cores (default 4096)")
     p.add_argument("--core-heads", type=int, default=8, help="GDN heads of --cores (default 8)")
     p.add_argument("--core-dim", type=int, default=128, help="GDN head dim of --cores (default 128)")
     p.add_argument("--core-precisions", nargs="+", default=None,
                    help="time the GDN core at each of these precisions, errors against the first")
+    p.add_argument("--core-scans", nargs="+", default=None,
+                   help="time the GDN core with each of these chunk scans (with every --core-precisions), "
+                        "errors against the first variant")
     p.add_argument("--breakdown", action="store_true",
                    help="also time our pieces alone (each layer kind, mixer, MLP, delta rule, loss, model "
                         "body) on the first config's shapes")
@@ -95,6 +108,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.run_torch = args.stack in ("both", "transformers") and not args.skip_torch
     if args.cores == []:
         args.cores = ["gdn", "attention"]
+    if args.cores_only and not args.cores:
+        p.error("--cores-only needs --cores")
     for name in ("steps", "batch", "seq", "core_seq", "core_heads", "core_dim",
                  *(k for k in SMALL if k != "mrope")):
         value = getattr(args, name)
@@ -104,11 +119,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--dtype bfloat16 needs --skip-torch (the transformers side runs float32)")
     if args.preset is not None and args.preset not in PRESETS:
         p.error(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
+    from qwen35_jax.layers.chunk_states import GDN_CHUNK_SCANS
     from qwen35_jax.layers.delta_rule import GDN_PRECISIONS
 
     for value in [args.gdn_precision, *(args.core_precisions or [])]:
         if value is not None and value not in GDN_PRECISIONS:
             p.error(f"GDN precision {value!r} is not one of {GDN_PRECISIONS}")
+    for value in [args.gdn_chunk_scan, *(args.core_scans or [])]:
+        if value is not None and value not in GDN_CHUNK_SCANS:
+            p.error(f"GDN chunk scan {value!r} is not one of {GDN_CHUNK_SCANS}")
     return args
 
 
@@ -181,12 +200,13 @@ def train_flops(config, batch: int, seq: int) -> float:
     return 6.0 * params * t + scores + rule
 
 
-def ours_step(config, tokens) -> Callable[[], None]:
+def ours_step(config, tokens, attention: str = "auto", logprob_backend: str = "auto") -> Callable[[], None]:
     """One of our train steps on `tokens` [B, S] (int numpy), as a callable that blocks until done."""
     import jax
     import numpy as np
     from flax import nnx
 
+    from qwen35_jax.kernel_choices import kernel_choices
     from qwen35_jax.model import Qwen35ForCausalLM
     from qwen35_jax.parallel.mesh import create_sharded, make_mesh
     from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule, place_batch
@@ -197,13 +217,14 @@ def ours_step(config, tokens) -> Callable[[], None]:
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     tx = make_optimizer(make_schedule(1e-4, 1000))
     opt_state = init_opt_state(tx, params, mesh)
-    step = make_config_train_step(config, tx, StepOptions(), jax.tree.map(lambda x: x.sharding, (params, opt_state)))
+    step = make_config_train_step(config, tx, StepOptions(backend=logprob_backend),
+                                  jax.tree.map(lambda x: x.sharding, (params, opt_state)))
     ones = np.ones(tokens.shape, np.int32)
     batch = place_batch({"tokens": tokens.astype(np.int32), "segment_ids": ones, "loss_mask": ones}, mesh, 1, 1)
     state = [params, opt_state]
 
     def run() -> None:
-        with jax.set_mesh(mesh):
+        with jax.set_mesh(mesh), kernel_choices(attention=attention):  # the first call traces
             state[0], state[1], metrics = step(state[0], state[1], batch)
             jax.block_until_ready(metrics)
 
@@ -257,7 +278,7 @@ def bench_config(name: str, config, batch: int, seq: int, args: argparse.Namespa
     import numpy as np
 
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, seq))
-    fns = {"ours": ours_step(config, tokens)} if args.run_ours else {}
+    fns = {"ours": ours_step(config, tokens, args.attention, args.logprob_backend)} if args.run_ours else {}
     if args.run_torch:
         fns["transformers"] = torch_step(config, tokens)
     timings = time_side_by_side(fns, args.steps)
@@ -265,6 +286,16 @@ def bench_config(name: str, config, batch: int, seq: int, args: argparse.Namespa
         f"{config.remat} -> {fns['ours'].remat()}"
     row = {"config": name, "batch": batch, "seq": seq, "remat": remat, "dtype": config.dtype,
            "model_tflops_per_step": train_flops(config, batch, seq) / 1e12, **timings}
+    if "ours" in fns:
+        row["ours"].update(attention=args.attention, logprob_backend=args.logprob_backend)
+        if args.profile:  # one more step, traced; the trace lands in DIR/<name>/plugins/profile/<run>/
+            import jax
+
+            try:
+                with jax.profiler.trace(os.path.join(args.profile, name)):
+                    fns["ours"]()
+            except Exception as e:  # noqa: BLE001 - a profiler that cannot start must not lose the timings
+                print(f"bench_train: no profile ({type(e).__name__}: {e})", file=sys.stderr)
     if args.peak_tflops and "ours" in row:
         row["ours"]["mfu"] = row["model_tflops_per_step"] / row["ours"]["median_s"] / args.peak_tflops
     return row
@@ -302,14 +333,17 @@ def bench_cores(args: argparse.Namespace) -> list[dict]:
         cot = rng.standard_normal((B, S, H, D)).astype(np.float32)
         jargs = [jnp.asarray(x) for x in (q, k, v, g, beta)]
         grads = {}
-        for precision in args.core_precisions or [None]:
-            def gdn_loss(q, k, v, g, beta, precision=precision):
-                out, _ = chunked_gated_delta_rule(q * D**-0.5, k, v, g, beta, precision=precision)
-                return jnp.sum(out * cot)
+        for scan in args.core_scans or [None]:
+            for precision in args.core_precisions or [None]:
+                def gdn_loss(q, k, v, g, beta, precision=precision, scan=scan):
+                    out, _ = chunked_gated_delta_rule(q * D**-0.5, k, v, g, beta, precision=precision,
+                                                      chunk_scan=scan)
+                    return jnp.sum(out * cot)
 
-            grads[precision] = jit_cpu_tuned(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
-        fns = {("ours" if p is None else f"ours {p}"): (lambda f=f: jax.block_until_ready(f(*jargs)))
-               for p, f in grads.items()} if args.run_ours else {}
+                name = " ".join(["ours", *(x for x in (precision, scan) if x is not None)])
+                grads[name] = jit_cpu_tuned(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
+        fns = {name: (lambda f=f: jax.block_until_ready(f(*jargs))) for name, f in grads.items()} \
+            if args.run_ours else {}
         if args.run_torch:
             import torch
             from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
@@ -326,9 +360,9 @@ def bench_cores(args: argparse.Namespace) -> list[dict]:
                **time_side_by_side(fns, args.steps)}
         if args.run_ours and len(grads) > 1:  # every precision's gradients against the first one's
             ref = [np.asarray(x, np.float64) for x in next(iter(grads.values()))(*jargs)]
-            for p, f in list(grads.items())[1:]:
+            for name, f in list(grads.items())[1:]:
                 got = f(*jargs)
-                row[f"ours {p}"]["max_rel_grad_err_vs_first"] = max(
+                row[name]["max_rel_grad_err_vs_first"] = max(
                     float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()) for a, b in zip(got, ref))
         rows.append(row)
 
@@ -501,6 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
+    from qwen35_jax.layers.chunk_states import gdn_chunk_scan
     from qwen35_jax.layers.delta_rule import gdn_precision
 
     rows, breakdown = [], None
@@ -508,14 +543,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.stack == "both" and args.run_torch:
         rows, breakdown, tunables = run_isolated(sys.argv[1:] if argv is None else argv)
     else:
-        with gdn_precision(args.gdn_precision):
-            planned = runs(args)
+        with gdn_precision(args.gdn_precision), gdn_chunk_scan(args.gdn_chunk_scan):
+            planned = [] if args.cores_only else runs(args)
             for name, config, batch, seq in planned:
                 rows.append(bench_config(name, config, batch, seq, args))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
             if args.cores:
                 rows.extend(bench_cores(args))
-            if args.breakdown and args.run_ours:
+            if args.breakdown and args.run_ours and planned:
                 _, config, batch, seq = planned[0]
                 breakdown = bench_breakdown(config, batch, seq, args.steps)
     threads = ""

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Device check of the Pallas kernels (fused log-prob/entropy, flash attention) on one GPU (written for an H200).
 #
-#   OUT=/path/to/results bash scripts/device_check.sh      # on the GPU machine, repo root, < 8 minutes
+#   OUT=/path/to/results bash scripts/device_check.sh      # on the GPU machine, repo root
 #   SMOKE=1 PYTHON=.venv/bin/python OUT=/tmp/dc bash scripts/device_check.sh   # any machine: tiny
 #                                                          shapes, interpreted kernels
 #
 # Installs nothing. Needs python3 with a CUDA jax (0.11 or newer). Stages, each saved to
 # $OUT/device_check.json as soon as it ends, so a timeout keeps what finished:
-#   1. correctness: the pallas backend compiled for the GPU ("gpu" layout, Triton) against xla, float32
-#      and bfloat16, ragged T and V, values and gradients;
+#   1. correctness: the pallas backend compiled for the GPU ("gpu" layout, Triton) against xla, float32,
+#      bfloat16 and bfloat16 hidden with a float32 weight, ragged T and V, values and gradients;
 #   2. speed at T = 8192, D = 4096, V = 248,320 (bf16): a plain [T, D] x [D, V] matmul, then pallas and
 #      xla forward+backward, as rates of 8 T D V FLOPs (forward 2, backward recompute 2 + dh 2 + dW 2),
 #      with compile-time scratch memory;
@@ -16,12 +16,18 @@
 #      masks against the XLA core at S = 4096, 8 query / 2 kv heads, Dh = 256, bf16 (errors against a
 #      float32 reference, forward and forward+backward time, scratch memory, a few block sizes);
 #   4. a sweep of Triton block sizes of the log-prob kernel, while time is left;
-#   5. (scripts/bench_train.py) the train step of the 0.8B shapes, all 24 layers, bfloat16 compute, one
-#      row of 8192 tokens: tokens/s and MFU against the H200's 989 TFLOP/s dense bf16 peak; then the GDN
-#      core alone at S = 8192, 16 heads of 128, forward+backward at Precision.HIGHEST and DEFAULT, with
-#      the gradient error of DEFAULT against HIGHEST. Results in $OUT/train_step.json.
-# STAGES=kernels (1-4) or STAGES=train (5) runs one part (default both, ~12 minutes; a runner limited to
-# 10 minutes a command runs them as two commands).
+#   5. (scripts/bench_train.py, each call limited to TRAIN_LIMIT_S) the train step of the 0.8B shapes,
+#      all 24 layers, bfloat16 compute, one row of 8192 tokens: tokens/s and MFU against the H200's
+#      989 TFLOP/s dense bf16 peak ($OUT/train_step.json) and one traced step
+#      ($OUT/train_profile.xplane.pb.gz, for xprof). If the step fails, it runs again on XLA's attention
+#      and log-prob kernels ($OUT/train_step_xla.json), which tells whether a Pallas kernel was the
+#      cause. Else the GDN core alone at S = 8192, 16 heads of 128, forward+backward at
+#      Precision.DEFAULT with the associative and the sequential chunk scan ($OUT/gdn_core.json), then
+#      four rows of 8192 ($OUT/train_step_b4.json; TRAIN_B4=0 skips it).
+# KERNEL_STAGES=correctness,attention (names as in device_check.json) runs only those of 1-4.
+# STAGES=kernels (1-4) or STAGES=train (5) runs one part. On 2026-12-04 an H200 took 140 s for 1-3
+# (4 cut by its budget) and 30-60 s per compile of the 0.8B step; run the two parts as two commands
+# where a command is limited to 10 minutes, train first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./device_check_out}"
@@ -55,8 +61,13 @@ def save():
         json.dump(results, f, indent=1, default=str)
 
 
+ONLY = [s for s in os.environ.get("KERNEL_STAGES", "").split(",") if s]  # empty: every stage
+
+
 def stage(name):
     def wrap(fn):
+        if ONLY and name not in ONLY:
+            return
         t0 = time.perf_counter()
         try:
             results[name] = fn()
@@ -109,8 +120,11 @@ def rel(a, b):
 def _():
     out = {}
     T, D, V = (37, 64, 203) if SMOKE else (1000, 512, 5003)
-    for dtype, tol_val, tol_grad in ((jnp.float32, 1e-4, 1e-3), (jnp.bfloat16, 2e-3, 3e-2)):
+    for name, dtype, w_dtype, tol_val, tol_grad in (
+            ("float32", jnp.float32, jnp.float32, 1e-4, 1e-3), ("bfloat16", jnp.bfloat16, jnp.bfloat16, 2e-3, 3e-2),
+            ("bfloat16_hidden_float32_weight", jnp.bfloat16, jnp.float32, 1e-4, 1e-3)):  # mixed: promoted to f32
         h, w, labels, g = problem(T, D, V, dtype)
+        w = w.astype(w_dtype)
         with jax.default_matmul_precision("highest"):
             (_, (lp0, e0)), (dh0, dw0) = step(lambda h, w, l: xla.token_stats(h, w, l), labels, g)(h, w)
             (_, (lp1, e1)), (dh1, dw1) = step(
@@ -119,7 +133,7 @@ def _():
              "dh_rel": rel(dh1, dh0), "dw_rel": rel(dw1, dw0)}
         r["ok"] = bool(r["lp_abs"] < tol_val and r["ent_abs"] < tol_val and r["dh_rel"] < tol_grad
                        and r["dw_rel"] < tol_grad)
-        out[jnp.dtype(dtype).name] = r
+        out[name] = r
     return out
 
 
@@ -273,10 +287,28 @@ if [[ ",$STAGES," == *,train,* ]]; then
   else
     shape=(--preset 0.8B --seq 8192 --core-seq 8192 --core-heads 16 --core-dim 128)
   fi
-  timeout "${TRAIN_LIMIT_S:-330}" "${PYTHON:-python3}" scripts/bench_train.py "${shape[@]}" --batch 1 \
-    --dtype bfloat16 --steps 3 --skip-torch --peak-tflops 989 --cores gdn --core-precisions highest default \
-    --json "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step_log.txt"
-  train_status=${PIPESTATUS[0]}
+  train() {  # bench_train with the stage's shapes and any further flags; log appended
+    timeout "${TRAIN_LIMIT_S:-330}" "${PYTHON:-python3}" scripts/bench_train.py "${shape[@]}" \
+      --dtype bfloat16 --steps 3 --skip-torch --peak-tflops 989 "$@" 2>&1 | tee -a "$OUT/train_step_log.txt"
+    return "${PIPESTATUS[0]}"
+  }
+  : >"$OUT/train_step_log.txt"
+  train --batch 1 --profile "$OUT/profile" --json "$OUT/train_step.json"
+  train_status=$?
+  # the traced step (xprof's .xplane.pb), compressed, two folders down at most so it comes back
+  trace=$(find "$OUT/profile" -name '*.xplane.pb' 2>/dev/null | head -1)
+  [ -n "$trace" ] && gzip -c "$trace" >"$OUT/train_profile.xplane.pb.gz"
+  rm -rf "$OUT/profile"
+  if [ "$train_status" -ne 0 ]; then  # was it a Pallas kernel? the same step on XLA's kernels
+    echo "== train step failed ($train_status); again with --attention xla --logprob-backend xla" \
+      | tee -a "$OUT/train_step_log.txt"
+    train --batch 1 --attention xla --logprob-backend xla --json "$OUT/train_step_xla.json"
+  else
+    train --batch 1 --cores gdn --cores-only --core-precisions default --core-scans associative sequential \
+      --json "$OUT/gdn_core.json"
+    # four rows of 8192: what a larger step buys (fixed costs, occupancy)
+    [ "${SMOKE:-0}" != "1" ] && [ "${TRAIN_B4:-1}" = "1" ] && train --batch 4 --json "$OUT/train_step_b4.json"
+  fi
   [ "$status" -eq 0 ] && status=$train_status
 fi
 echo "exit status $status; results in $OUT"
