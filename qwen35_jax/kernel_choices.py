@@ -12,6 +12,7 @@ import contextlib
 from collections.abc import Iterator
 
 import jax
+from qwen35_kernels.logprob_entropy.api import resolve_backend
 
 from qwen35_jax.layers.attention_kernels import attention_implementation
 from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
@@ -32,7 +33,7 @@ def explain_compile_failure(err: Exception, *, attention: str, logprob_backend: 
     fallbacks = []
     if attention in ("auto", "pallas"):
         fallbacks.append("--attention xla")
-    if logprob_backend == "pallas" or (logprob_backend == "auto" and jax.default_backend() == "tpu"):
+    if resolve_backend(logprob_backend) == "pallas":
         fallbacks.append("--logprob-backend xla")
     if not fallbacks:
         return None

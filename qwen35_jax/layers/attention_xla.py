@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -94,17 +95,22 @@ def _block_backward(qg: jax.Array, k: jax.Array, v: jax.Array, q_idx: jax.Array,
 _Residuals = tuple[jax.Array, ...]  # qg, k, v, q_idx, q_seg, kv_seg, branch, out [B, K, G, Q, Dh], lse [B, K, G, Q]
 
 
+def _run_from_start(starts: tuple[int, ...], branch: jax.Array, from_start: Callable[[int], Callable[..., Any]],
+                    *operands: jax.Array) -> Any:
+    """from_start(starts[branch])(*operands): one compiled variant per start, picked by `lax.switch`."""
+    if len(starts) == 1:
+        return from_start(starts[0])(*operands)
+    return jax.lax.switch(branch, [from_start(k0) for k0 in starts], *operands)
+
+
 def _forward_variants(starts: tuple[int, ...], qg: jax.Array, k: jax.Array, v: jax.Array, q_idx: jax.Array,
                       q_seg: jax.Array, kv_seg: jax.Array, branch: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """`_block_forward` on keys [starts[branch], T): one compiled variant per start."""
+    """`_block_forward` on keys [starts[branch], T)."""
     def from_start(k_start: int) -> Callable[..., tuple[jax.Array, jax.Array]]:
         return lambda qg, k, v, q_idx, q_seg, kv_seg: _block_forward(
             qg, k[:, :, k_start:], v[:, :, k_start:], q_idx, q_seg, kv_seg[:, k_start:], k_start)
 
-    operands = (qg, k, v, q_idx, q_seg, kv_seg)
-    if len(starts) == 1:
-        return from_start(starts[0])(*operands)
-    return jax.lax.switch(branch, [from_start(k0) for k0 in starts], *operands)
+    return _run_from_start(starts, branch, from_start, qg, k, v, q_idx, q_seg, kv_seg)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -137,11 +143,7 @@ def _attend_block_bwd(starts: tuple[int, ...], residuals: _Residuals, d_out: jax
             return dq, jnp.pad(dk, front), jnp.pad(dv, front)
         return grads
 
-    operands = (qg, k, v, q_idx, q_seg, kv_seg, out, lse, d_out)
-    if len(starts) == 1:
-        dq, dk, dv = from_start(starts[0])(*operands)
-    else:
-        dq, dk, dv = jax.lax.switch(branch, [from_start(k0) for k0 in starts], *operands)
+    dq, dk, dv = _run_from_start(starts, branch, from_start, qg, k, v, q_idx, q_seg, kv_seg, out, lse, d_out)
     return dq, dk, dv, None, None, None, None
 
 
