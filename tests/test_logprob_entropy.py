@@ -6,6 +6,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -123,7 +124,7 @@ def test_backends_match_float64(variant, temperature):
 def test_bfloat16_inputs(variant):
     # bf16 h and w, float32 accumulation. Values are close to float64 on the rounded inputs (the
     # products are exact in float32); gradients are rounded to bf16 on output (and dz to bf16 before
-    # the Pallas gradient matmuls), so their bound is 1e-2 of the largest entry.
+    # the gradient matmuls of every backend), so their bound is 1e-2 of the largest entry.
     _check(variant, T=37, D=48, V=203, temperature=1.0, dtype=jnp.bfloat16, tol_val=1e-4, tol_grad=1e-2)
 
 
@@ -142,6 +143,30 @@ def test_bfloat16_hidden_with_float32_weight(variant):
     np.testing.assert_allclose(lp, r_lp, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(ent, r_ent, rtol=1e-5, atol=1e-5)
     assert _rel(dh, r_dh) < 1e-2 and _rel(dw, r_dw) < 1e-4, (_rel(dh, r_dh), _rel(dw, r_dw))
+
+
+def test_xla_backward_matmuls_take_the_input_dtype():
+    # bf16 hidden and weight: every matmul of the XLA backend's forward and backward multiplies bf16
+    # operands (float32 accumulation). A float32 dz against the bf16 weight would promote both to
+    # float32, which on a GPU is a TF32 GEMM at a third of the bf16 rate.
+    h, w, labels, g_lp, _ = _problem(0, 37, 48, 203)
+    h, w = h.astype(jnp.bfloat16), w.astype(jnp.bfloat16)
+
+    def loss(h, w):
+        return jnp.sum(g_lp * qk.linear_logprob_entropy(h, w, labels, backend="xla")[0])
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(h, w)
+    dots = []
+
+    def walk(jp):
+        for eqn in jp.eqns:
+            if eqn.primitive.name == "dot_general":
+                dots.append({v.aval.dtype for v in eqn.invars})
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    assert len(dots) >= 3 and all(d == {jnp.dtype(jnp.bfloat16)} for d in dots), dots
 
 
 def test_ignored_labels_send_no_gradient():

@@ -3,7 +3,8 @@
 Forward: for each token block, a loop over vocabulary blocks keeps the online (max, sum-exp,
 sum p*(z - max), label logit). Backward (custom VJP): the logits are recomputed tile by tile; the outer
 loop runs over vocabulary blocks so each [D, block_v] slice of dW is accumulated in float32 and written
-once, while dh [T, D] (float32) is accumulated across it. Nothing of size T * V exists.
+once, while dh [T, D] (float32) is accumulated across it. The logit gradient dz is rounded to the
+inputs' dtype before its two matmuls (as the Pallas kernel does), so bf16 inputs run bf16 GEMMs. Nothing of size T * V exists.
 
 A vocabulary that is not a multiple of block_v is handled without copying the weight: the last block
 starts at V - block_v and masks the columns the previous block already covered.
@@ -123,6 +124,9 @@ def _stats_bwd(temperature, block_t, block_v, res, cts):
     to_buf, from_buf = _bits, lambda x: _unbits(x, weight.dtype)  # dW buffer (see the top)
     lse_b, mean_b = col(lse), col(lse - ent)
     g_lse, g_ent, g_zl = (col(jnp.asarray(g, jnp.float32)) for g in cts)
+    # The two gradient matmuls take the inputs' own precision: float32 dz against a bf16 weight would
+    # promote both operands to float32 (on an H200, TF32 GEMMs at a third of the bf16 rate).
+    compute = jnp.promote_types(hidden.dtype, weight.dtype)
 
     def vocab_step(j, carry):
         dh, dw = carry  # [nt, bt, D] f32, [D, V] weight bits
@@ -135,8 +139,9 @@ def _stats_bwd(temperature, block_t, block_v, res, cts):
             dz = tiles.dlogits(
                 z, cols, lb[i], lse_b[i], mean_b[i], g_lse[i], g_ent[i], g_zl[i], temperature
             )  # [bt, bv]
-            dh = dh.at[i].add(jnp.dot(dz, w_v.T, preferred_element_type=jnp.float32))
-            dw_v = dw_v + jnp.dot(h_t.T, dz, preferred_element_type=jnp.float32)
+            dz = dz.astype(compute)  # bf16 inputs: bf16 x bf16 matmuls, float32 accumulation
+            dh = dh.at[i].add(jnp.dot(dz, w_v.T.astype(compute), preferred_element_type=jnp.float32))
+            dw_v = dw_v + jnp.dot(h_t.T.astype(compute), dz, preferred_element_type=jnp.float32)
             return dh, dw_v
 
         dw_v0 = tiles.match_vma(jnp.zeros((D, bv), jnp.float32), hidden, weight)
