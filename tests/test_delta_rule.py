@@ -1,5 +1,7 @@
 """Chunked gated delta rule == per-token recurrence == the transformers reference in float64; documents reset."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,6 +14,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from float64_reference import torch_float64
 from qwen35_jax.layers.chunk_states import gdn_chunk_scan, resolve_gdn_chunk_scan
+from qwen35_jax.layers.chunk_states_pallas import pallas_entering_states
 from qwen35_jax.layers.delta_rule import (
     chunked_gated_delta_rule,
     gdn_precision,
@@ -65,7 +68,7 @@ def recurrence_float64(q, k, v, g, beta, segment_ids, initial_state):
     return out, final
 
 
-@pytest.mark.parametrize("scan", ["sequential", "associative"])
+@pytest.mark.parametrize("scan", ["sequential", "associative", "pallas"])
 @pytest.mark.parametrize("S, chunk_size", [(200, 16), (64, 64), (130, 64)])
 def test_chunk_scans_match_float64_recurrence(scan, S, chunk_size):
     """Both ways of carrying the state across chunks (13, 1 and 3 chunks: odd counts and a single one),
@@ -86,8 +89,26 @@ def test_chunk_scans_match_float64_recurrence(scan, S, chunk_size):
     _close(np.asarray(s, np.float64), s_ref, 5e-6)
 
 
+def test_pallas_chunk_states_lower_for_gpu():
+    # The recurrence kernels built for Triton (not interpreted) and lowered for "cuda" on this CPU
+    # machine, at the 0.8B model's shapes (8192 tokens: 128 chunks of 64, 16 heads of 128), forward
+    # and backward. Catches what Triton cannot express; compiling the IR needs the GPU itself.
+    n, b, h, L, dk, dv = 128, 1, 16, 64, 128, 128
+
+    def loss(u, w, k, decay, state):
+        return jnp.sum(pallas_entering_states(u, w, k, decay, state, None, interpret=False) ** 2)
+
+    shapes = [(b, n, h, L, dv), (b, n, h, L, dk), (b, n, h, L, dk), (b, n, h), (b, h, dk, dv)]
+    args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes]
+    text = jax.jit(jax.grad(loss, range(5))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call @__gpu$xla.gpu.triton" in text
+    assert {"gdn_chunk_states", "gdn_chunk_states_reverse"} <= set(re.findall(r'name = "(\w+)"', text))
+
+
 def test_chunk_scan_setting_per_backend_and_context():
     assert resolve_gdn_chunk_scan() == "sequential"  # "auto" on CPU
+    with gdn_chunk_scan("pallas"):
+        assert resolve_gdn_chunk_scan() == "pallas"
     with gdn_chunk_scan("associative"):
         assert resolve_gdn_chunk_scan() == "associative"
         with gdn_chunk_scan(None):  # leaves it as is
@@ -181,7 +202,7 @@ def test_packed_documents_equal_separate_runs(fn):
         _close(final[b], s_doc[0])  # the last document's state; trailing padding is a no-op
 
 
-@pytest.mark.parametrize("scan", ["sequential", "associative"])
+@pytest.mark.parametrize("scan", ["sequential", "associative", "pallas"])
 def test_gradients_chunked_equal_recurrent(scan):
     S = 40
     q, k, v, g, beta, state = _inputs(S, seed=3)
@@ -193,14 +214,14 @@ def test_gradients_chunked_equal_recurrent(scan):
     ws = np.random.default_rng(5).normal(size=(B, HV, DK, DV)).astype(np.float32)
 
     def loss(fn, *args):
-        o, s = fn(*args, segment_ids=jnp.asarray(seg), initial_state=state)
+        o, s = fn(*args[:5], segment_ids=jnp.asarray(seg), initial_state=args[5])
         return jnp.sum(o * w) + jnp.sum(s * ws)
 
     chunked = lambda *a, **kw: chunked_gated_delta_rule(*a, chunk_size=16, chunk_scan=scan, **kw)  # noqa: E731
-    args = (q, k, v, g, beta)
-    ref = jax.grad(lambda *a: loss(recurrent_gated_delta_rule, *a), argnums=range(5))(*args)
-    got = jax.grad(lambda *a: loss(chunked, *a), argnums=range(5))(*args)
-    for name, r, c in zip("q k v g beta".split(), ref, got):
+    args = (q, k, v, g, beta, state)
+    ref = jax.grad(lambda *a: loss(recurrent_gated_delta_rule, *a), argnums=range(6))(*args)
+    got = jax.grad(lambda *a: loss(chunked, *a), argnums=range(6))(*args)
+    for name, r, c in zip("q k v g beta initial_state".split(), ref, got):
         r, c = np.asarray(r), np.asarray(c)
         assert np.abs(r).max() > 0, name
         err = np.abs(r - c).max() / np.abs(r).max()

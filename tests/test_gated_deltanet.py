@@ -1,5 +1,7 @@
 """GatedDeltaNet module == transformers' Qwen3_5GatedDeltaNet in float64 (outputs and gradients); packed documents."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,7 +13,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from float64_reference import float64_copy, torch_float64
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.chunk_states import gdn_chunk_scan
+from qwen35_jax.layers.chunk_states import gdn_chunk_scan, gdn_remat, resolve_gdn_remat
 from qwen35_jax.layers.gated_deltanet import GatedDeltaNet, gdn_core
 
 B = 2
@@ -87,8 +89,11 @@ def test_matches_transformers(S):
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("scan", ["sequential", "associative"])  # the CPU default; the GPU/TPU default
-def test_gradients_match_torch_autograd(scan):
+@pytest.mark.parametrize("scan, remat", [
+    ("sequential", "auto"), ("associative", "auto"), ("pallas", "auto"),  # CPU, TPU and GPU defaults
+    ("associative", "states"),  # the mixer recomputed around kept chunk states, with the XLA scan
+])
+def test_gradients_match_torch_autograd(scan, remat):
     ref, ours = _pair(seed=2, chunk_size=16)
     S = 40
     x = _x(S, seed=3)
@@ -108,7 +113,7 @@ def test_gradients_match_torch_autograd(scan):
     def loss(p):
         return jnp.sum(nnx.merge(graphdef, p)(jnp.asarray(x)) * w)
 
-    with gdn_chunk_scan(scan):
+    with gdn_chunk_scan(scan), gdn_remat(remat):
         grads = jax.jit(jax.grad(loss))(params)
     got = {
         "A_log": grads["A_log"][...],
@@ -164,3 +169,33 @@ def test_bfloat16_compute_close_to_float32():
     assert np.isfinite(got).all()
     scale = np.abs(want).max()
     assert np.abs(got - want).max() < 0.1 * scale and np.abs(got - want).mean() < 0.005 * scale
+
+
+def test_states_remat_keeps_inputs_and_chunk_states_only():
+    # GDN remat "states" (the GPU default, with the Pallas chunk scan): the backward keeps the mixer's
+    # inputs and the named chunk states, and recomputes the rest without rerunning the forward state
+    # kernel. "none" keeps every intermediate: at 256 tokens several times more bytes.
+    from qwen35_jax.layers.gated_deltanet import gdn_core
+
+    B_, S, hk, hv, d = 1, 256, 2, 4, 16
+    rng = np.random.default_rng(0)
+    rnd = lambda *shape: jnp.asarray(rng.normal(size=shape).astype(np.float32))  # noqa: E731
+    args = (rnd(B_, S, hk, d), rnd(B_, S, hk, d), rnd(B_, S, hv, d), rnd(B_, S, hv, d), rnd(B_, S, hv),
+            rnd(B_, S, hv), rnd(4, hk, d), rnd(4, hk, d), rnd(4, hv, d), rnd(hv), rnd(hv), rnd(d))
+
+    def loss(*a):
+        return jnp.sum(gdn_core(*a, jnp.ones((B_, S), jnp.int32), eps=1e-6, chunk_size=16))
+
+    kept = {}
+    for remat in ("none", "states"):
+        with gdn_chunk_scan("pallas"), gdn_remat(remat):
+            assert resolve_gdn_remat() == remat
+            _, backward = jax.vjp(loss, *args)
+            kept[remat] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
+            text = str(jax.make_jaxpr(backward)(jnp.float32(1.0)))
+        assert "gdn_chunk_states_reverse" in text
+        assert len(re.findall(r"name=gdn_chunk_states\b(?!_)", text)) == 0  # no forward kernel rerun
+    assert kept["states"] * 3 < kept["none"], kept
+    with gdn_chunk_scan("pallas"):
+        assert resolve_gdn_remat() == "states"  # "auto"
+    assert resolve_gdn_remat() == "none"  # "auto" with the CPU's sequential scan

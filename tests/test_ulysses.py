@@ -191,8 +191,13 @@ def _boundary_segments(b, s, sp):
     return jnp.asarray(seg)
 
 
-@pytest.mark.parametrize("layout, key_heads", [("fsdp=2,sp=4", 2), pytest.param("fsdp=1,sp=8", 1, marks=pytest.mark.slow)])
-def test_gdn_state_passing_matches(layout, key_heads):
+@pytest.mark.parametrize("layout, key_heads, scan", [
+    ("fsdp=2,sp=4", 2, "auto"),
+    ("fsdp=2,sp=4", 2, "pallas"),  # the GPU default (interpreted here) inside shard_map, initial states too
+    pytest.param("fsdp=1,sp=8", 1, "auto", marks=pytest.mark.slow),
+])
+def test_gdn_state_passing_matches(layout, key_heads, scan):
+    from qwen35_jax.layers.chunk_states import gdn_chunk_scan
     from qwen35_jax.layers.gated_deltanet import gdn_core
     from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
 
@@ -205,7 +210,7 @@ def test_gdn_state_passing_matches(layout, key_heads):
         return gdn_core(*a, seg, **static)
 
     def sharded(*a):
-        with gdn_sp_mode("state_passing"):
+        with gdn_sp_mode("state_passing"), gdn_chunk_scan(scan):
             return ulysses_gdn(gdn_core, *a, seg, **static)
 
     def loss(args, fn):

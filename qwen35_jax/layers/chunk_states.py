@@ -19,7 +19,11 @@ entering chunk c:
   arithmetic of the sequential scan at Dk = 128, L = 64, all of it in large batched matmuls (on CPU
   the S = 4096 core takes 2x as long). The scan is recomputed in the backward pass rather than
   saving its log n levels of products.
-- "auto": "sequential" on CPU, "associative" elsewhere.
+- "pallas": one Pallas kernel walks the chunks in order with the state in registers, one launch for
+  the whole sequence (and one, the transposed recurrence, for the backward); then all v_c and o_c at
+  once as in "associative". The state arithmetic of the sequential scan without its launches. A
+  Triton kernel: compiled on a GPU, interpreted elsewhere (tests; slow). See `chunk_states_pallas.py`.
+- "auto": "sequential" on CPU, "pallas" on GPU, "associative" elsewhere (TPU).
 
 Both are exact rewritings of the same recurrence; they differ only in float rounding order.
 """
@@ -32,9 +36,44 @@ from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
-GDN_CHUNK_SCANS = ("auto", "sequential", "associative")
+from qwen35_jax.layers.chunk_states_pallas import CHUNK_STATES_NAME, pallas_entering_states
+
+GDN_CHUNK_SCANS = ("auto", "sequential", "associative", "pallas")
 _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", default="auto")
+
+# What the GDN mixer keeps for its backward pass (`gated_deltanet.gdn_segment`):
+# - "none": no recompute; autodiff keeps every intermediate it needs, about 450 KB per token and layer
+#   at the 0.8B shapes (16 heads of 128), most of it float32 [tokens, heads, 128]-sized arrays.
+# - "states": the mixer is recomputed in the backward from its inputs, except the chunk states (named
+#   CHUNK_STATES_NAME, [B, n + 1, H, Dk, Dv] float32, 1/L of a token's state per token) which are kept:
+#   the backward repeats the intra-chunk matmuls but not the sequential part. 6x less to keep.
+# - "auto": "states" with the Pallas chunk scan, "none" otherwise (the sequential scan on CPU names no
+#   states, so "states" there would rerun the whole scan).
+GDN_REMATS = ("auto", "none", "states")
+_remat: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_remat", default="auto")
+
+
+@contextlib.contextmanager
+def gdn_remat(name: str | None) -> Iterator[None]:
+    """What GDN mixers traced inside the block keep for the backward (GDN_REMATS); None: as is."""
+    token = _remat.set(resolve_gdn_remat(name, on_backend=False)) if name is not None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _remat.reset(token)
+
+
+def resolve_gdn_remat(name: str | None = None, *, on_backend: bool = True) -> str:
+    """`name` (None: the context's) checked, and with on_backend "auto" resolved for the chunk scan."""
+    name = _remat.get() if name is None else name
+    if name not in GDN_REMATS:
+        raise ValueError(f"GDN remat must be one of {GDN_REMATS}, got {name!r}")
+    if on_backend and name == "auto":
+        return "states" if resolve_gdn_chunk_scan() == "pallas" else "none"
+    return name
 
 
 @contextlib.contextmanager
@@ -55,7 +94,7 @@ def resolve_gdn_chunk_scan(name: str | None = None, *, on_backend: bool = True) 
     if name not in GDN_CHUNK_SCANS:
         raise ValueError(f"GDN chunk scan must be one of {GDN_CHUNK_SCANS}, got {name!r}")
     if on_backend and name == "auto":
-        return "sequential" if jax.default_backend() == "cpu" else "associative"
+        return {"cpu": "sequential", "gpu": "pallas"}.get(jax.default_backend(), "associative")
     return name
 
 
@@ -66,33 +105,44 @@ def _mm(spec: str, a: jax.Array, b: jax.Array, prec: jax.lax.Precision | None) -
 def sequential_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
                             decay: jax.Array, state: jax.Array, prec: jax.lax.Precision | None
                             ) -> tuple[jax.Array, jax.Array]:
-    """u [n, B, H, L, Dv], w/q/k [n, B, H, L, Dk], intra [n, B, H, L, L], decay [n, B, H],
-    state [B, H, Dk, Dv] -> (out [n, B, H, L, Dv], final state [B, H, Dk, Dv])."""
+    """u [B, n, H, L, Dv], w/q/k [B, n, H, L, Dk], intra [B, n, H, L, L], decay [B, n, H],
+    state [B, H, Dk, Dv] -> (out [B, n, H, L, Dv], final state [B, H, Dk, Dv])."""
     def step(s, xs):  # s [B, H, Dk, Dv]
         u_c, w_c, q_c, k_c, intra_c, dec_c = xs
         v_new = u_c - _mm("bhlk,bhkv->bhlv", w_c, s, prec)
         o = _mm("bhlk,bhkv->bhlv", q_c, s, prec) + _mm("bhij,bhjv->bhiv", intra_c, v_new, prec)
         return s * dec_c[..., None, None] + _mm("bhlk,bhlv->bhkv", k_c, v_new, prec), o
 
-    state, out = jax.lax.scan(step, state, (u, w, q, k, intra, decay))
-    return out, state
+    chunk_major = (jnp.moveaxis(x, 1, 0) for x in (u, w, q, k, intra, decay))  # lax.scan walks axis 0
+    state, out = jax.lax.scan(step, state, tuple(chunk_major))
+    return jnp.moveaxis(out, 0, 1), state
 
 
 def _entering_states(u: jax.Array, w: jax.Array, k: jax.Array, decay: jax.Array, state: jax.Array,
                      prec: jax.lax.Precision | None) -> jax.Array:
-    """The state entering each chunk and the final one: [n + 1, B, H, Dk, Dv] (shapes as above)."""
+    """The state entering each chunk and the final one: [B, n + 1, H, Dk, Dv] (shapes as above)."""
     dk = w.shape[-1]
-    a = decay[..., None, None] * jnp.eye(dk, dtype=w.dtype) - _mm("nbhlk,nbhlj->nbhkj", k, w, prec)  # A_c
-    b = _mm("nbhlk,nbhlv->nbhkv", k, u, prec)  # b_c [n, B, H, Dk, Dv]
+    a = decay[..., None, None] * jnp.eye(dk, dtype=w.dtype) - _mm("bnhlk,bnhlj->bnhkj", k, w, prec)  # A_c
+    b = _mm("bnhlk,bnhlv->bnhkv", k, u, prec)  # b_c [B, n, H, Dk, Dv]
 
     def compose(first: tuple[jax.Array, jax.Array], then: tuple[jax.Array, jax.Array]
                 ) -> tuple[jax.Array, jax.Array]:  # the map `first` followed by `then`
         (a1, b1), (a2, b2) = first, then
         return _mm("...ij,...jk->...ik", a2, a1, prec), _mm("...ij,...jv->...iv", a2, b1, prec) + b2
 
-    through_a, through_b = jax.lax.associative_scan(compose, (a, b), axis=0)  # chunks 0..c composed
-    after = _mm("nbhkj,bhjv->nbhkv", through_a, state, prec) + through_b  # state after chunk c
-    return jnp.concatenate([state[None], after], axis=0)
+    through_a, through_b = jax.lax.associative_scan(compose, (a, b), axis=1)  # chunks 0..c composed
+    after = _mm("bnhkj,bhjv->bnhkv", through_a, state, prec) + through_b  # state after chunk c
+    return jnp.concatenate([state[:, None], after], axis=1)
+
+
+def _outputs(u: jax.Array, w: jax.Array, q: jax.Array, intra: jax.Array, states: jax.Array,
+             prec: jax.lax.Precision | None) -> tuple[jax.Array, jax.Array]:
+    """Every chunk's output at once from the states entering it, states [B, n + 1, H, Dk, Dv] (the
+    last one final) -> (out [B, n, H, L, Dv], final state)."""
+    entering = states[:, :-1]  # [B, n, H, Dk, Dv]
+    v_new = u - _mm("bnhlk,bnhkv->bnhlv", w, entering, prec)
+    out = _mm("bnhlk,bnhkv->bnhlv", q, entering, prec) + _mm("bnhij,bnhjv->bnhiv", intra, v_new, prec)
+    return out, states[:, -1]
 
 
 def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
@@ -100,10 +150,16 @@ def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Ar
                              ) -> tuple[jax.Array, jax.Array]:
     """As `sequential_chunk_states`, with every chunk's entering state from one associative scan."""
     states = jax.checkpoint(_entering_states, static_argnums=(5,))(u, w, k, decay, state, prec)
-    entering = states[:-1]  # [n, B, H, Dk, Dv]
-    v_new = u - _mm("nbhlk,nbhkv->nbhlv", w, entering, prec)
-    out = _mm("nbhlk,nbhkv->nbhlv", q, entering, prec) + _mm("nbhij,nbhjv->nbhiv", intra, v_new, prec)
-    return out, states[-1]
+    return _outputs(u, w, q, intra, checkpoint_name(states, CHUNK_STATES_NAME), prec)
 
 
-CHUNK_STATES = {"sequential": sequential_chunk_states, "associative": associative_chunk_states}
+def pallas_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
+                        decay: jax.Array, state: jax.Array, prec: jax.lax.Precision | None
+                        ) -> tuple[jax.Array, jax.Array]:
+    """As `sequential_chunk_states`, with every chunk's entering state from the Pallas recurrence kernel."""
+    states = pallas_entering_states(u, w, k, decay, state, prec)
+    return _outputs(u, w, q, intra, checkpoint_name(states, CHUNK_STATES_NAME), prec)
+
+
+CHUNK_STATES = {"sequential": sequential_chunk_states, "associative": associative_chunk_states,
+                "pallas": pallas_chunk_states}

@@ -229,11 +229,11 @@ def chunked_gated_delta_rule(
     k_write = k * (jnp.exp(cum[..., -1:] - cum) * writes_state)[..., None]
     chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
 
-    def chunk_major(x):  # [B, n, Hk, G, ...] -> [n, B, Hv, ...]
-        return jnp.moveaxis(x.reshape(B, n, Hv, *x.shape[4:]), 1, 0)
+    def value_heads(x):  # [B, n, Hk, G, ...] -> [B, n, Hv, ...]
+        return x.reshape(B, n, Hv, *x.shape[4:])
 
     carry_state = CHUNK_STATES[resolve_gdn_chunk_scan(chunk_scan)]
-    out, state = carry_state(*(chunk_major(x) for x in (u, w, q_read, k_write, intra, chunk_decay)), state,
-                             prec)  # out [n, B, Hv, L, Dv]
-    out = jnp.transpose(out, (1, 0, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
+    out, state = carry_state(*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)), state,
+                             prec)  # out [B, n, Hv, L, Dv]
+    out = jnp.transpose(out, (0, 1, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
     return out, state

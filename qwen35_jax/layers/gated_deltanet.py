@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.chunk_states import CHUNK_STATES_NAME, resolve_gdn_remat
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core
@@ -92,12 +93,20 @@ def gdn_segment(
     initial_state: jax.Array | None = None,  # [B, Hv, Dk, Dv] the delta-rule state entering the segment
 ) -> tuple[jax.Array, jax.Array]:  # [B, T, Hv, Dv] in q.dtype, final state [B, Hv, Dk, Dv] float32
     """`gdn_core` on T consecutive tokens: without `halo` the conv window starts at the first token
-    (zeros before it); with it, the conv reads the halo tokens (stopping at document starts)."""
-    dtype = q.dtype
-    q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
-    out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, initial_state=initial_state,
-                                          chunk_size=chunk_size)
-    return gated_rms_norm(out.astype(dtype), z, norm_weight, eps), state  # [B, T, Hv, Dv]
+    (zeros before it); with it, the conv reads the halo tokens (stopping at document starts). What the
+    backward pass keeps of it is `chunk_states.gdn_remat`'s choice."""
+    def segment(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids, halo,
+                initial_state):
+        dtype = q.dtype
+        q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
+        out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids,
+                                              initial_state=initial_state, chunk_size=chunk_size)
+        return gated_rms_norm(out.astype(dtype), z, norm_weight, eps), state  # [B, T, Hv, Dv]
+
+    if resolve_gdn_remat() == "states":
+        segment = jax.checkpoint(segment, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES_NAME))
+    return segment(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids, halo,
+                   initial_state)
 
 
 class DepthwiseConvKernel(nnx.Module):

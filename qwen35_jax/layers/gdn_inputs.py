@@ -15,6 +15,7 @@ from qwen35_jax.layers.delta_rule import document_index
 from qwen35_jax.layers.stored_cotangent import stored_cotangent
 
 
+@jax.checkpoint
 def causal_conv1d_silu(
     x: jax.Array,  # [B, S, H, D]
     kernel: jax.Array,  # [Kc, H, D]; kernel[-1] multiplies the current token

@@ -1,0 +1,158 @@
+"""The delta rule's chunk-to-chunk state recurrence as one Pallas (Triton) kernel per direction.
+
+With the notation of `chunk_states.py`, the state entering chunk c + 1 is
+
+    S_c+1 = d_c S_c + k_c^T (u_c - w_c S_c)          S_c [Dk, Dv], k_c, w_c [L, Dk], u_c [L, Dv]
+
+Forward: one program per (sequence x head, block of Dv columns) walks the chunks in order, the state
+in registers, two [L, Dk] x [Dk, BV]-sized matmuls per chunk, and writes every entering state. The
+columns of S never mix, so the Dv blocks are independent programs. On a GPU this replaces the 128
+steps of a dozen small kernels each (`lax.scan`) or the log n rounds of [Dk, Dk] products
+(associative scan) with one launch.
+
+Backward: with G_c the gradient of everything downstream with respect to S_c, and dS_c the
+cotangent arriving on the output S_c itself,
+
+    G_n = dS_n,    G_c = dS_c + d_c G_c+1 - w_c^T (k_c G_c+1)          (the transposed map)
+
+is the same kernel run in reverse, with (k, w) swapped and dS added. The kernel hands back every G_c;
+the gradients of u, w, k, d follow from them and the saved states as batched matmuls in XLA:
+v_c = u_c - w_c S_c, dv_c = k_c G_c+1, du_c = dv_c, dw_c = -dv_c S_c^T, dk_c = v_c G_c+1^T,
+dd_c = <S_c, G_c+1>, and the initial state's gradient is G_0.
+
+Everything is float32; the matmuls run at `prec` (None: TF32 tensor cores on a GPU, HIGHEST: IEEE
+float32). Off a GPU the kernel runs interpreted (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.ad_checkpoint import checkpoint_name
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.gdn_remat)
+BLOCK_V = 64  # columns of the state per program: [Dk, 64] float32 lives in registers at Dk = 128
+NUM_WARPS = 4
+
+
+def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_ref, *, n: int, reverse: bool,
+                       prec):
+    # p_ref, q_ref [n, L, Dk]; b_ref [n, L, BV] or None; decay_ref [n]; first_ref [Dk, BV];
+    # add_ref [n + 1, Dk, BV] or None; out_ref [n + 1, Dk, BV]
+    x = first_ref[...]
+    out_ref[n if reverse else 0] = x
+
+    def step(i, x):  # x [Dk, BV] float32
+        c = n - 1 - i if reverse else i
+        rhs = -jnp.dot(q_ref[c], x, precision=prec, preferred_element_type=jnp.float32)  # [L, BV]
+        if b_ref is not None:
+            rhs = rhs + b_ref[c]
+        x = decay_ref[c] * x + lax.dot_general(p_ref[c], rhs, (((0,), (0,)), ((), ())), precision=prec,
+                                               preferred_element_type=jnp.float32)
+        if add_ref is not None:
+            x = x + add_ref[c]
+        out_ref[c if reverse else c + 1] = x
+        return x
+
+    lax.fori_loop(0, n, step, x)
+
+
+def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Array, first: jax.Array,
+                add: jax.Array | None, *, reverse: bool, prec, interpret: bool) -> jax.Array:
+    """Forward, x_c+1 = d_c x_c + p_c^T (b_c - q_c x_c) from x_0 = first; reverse,
+    x_c = d_c x_c+1 + p_c^T (b_c - q_c x_c+1) + add_c from x_n = first.
+
+    p, q [B, n, H, L, Dk]; b [B, n, H, L, Dv] or None; decay [B, n, H]; first [B, H, Dk, Dv];
+    add [B, n + 1, H, Dk, Dv] or None -> x [B, n + 1, H, Dk, Dv] float32.
+    """
+    B, n, H, L, Dk = p.shape
+    Dv = first.shape[-1]
+    bv = min(BLOCK_V, Dv)
+    if Dv % bv:
+        raise ValueError(f"pallas chunk scan: value head dim {Dv} is not a multiple of {bv}")
+    # grid (B, H, Dv / bv): each program sees its own sequence and head, all chunks, bv state columns
+    keys = pl.BlockSpec((None, n, None, L, Dk), lambda b, h, j: (b, 0, h, 0, 0))
+    states = pl.BlockSpec((None, n + 1, None, Dk, bv), lambda b, h, j: (b, 0, h, 0, j))
+    in_specs, args = [keys, keys], [p, q]
+    if b is not None:
+        in_specs.append(pl.BlockSpec((None, n, None, L, bv), lambda b, h, j: (b, 0, h, 0, j)))
+        args.append(b)
+    in_specs += [pl.BlockSpec((None, n, None), lambda b, h, j: (b, 0, h)),
+                 pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j))]
+    args += [decay, first]
+    if add is not None:
+        in_specs.append(states)
+        args.append(add)
+
+    def kernel(*refs):
+        refs = list(refs)
+        p_ref, q_ref = refs.pop(0), refs.pop(0)
+        b_ref = refs.pop(0) if b is not None else None
+        decay_ref, first_ref = refs.pop(0), refs.pop(0)
+        add_ref = refs.pop(0) if add is not None else None
+        _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, *refs, n=n, reverse=reverse,
+                           prec=prec)
+
+    return pl.pallas_call(
+        kernel,
+        grid=(B, H, Dv // bv),
+        in_specs=in_specs,
+        out_specs=states,
+        out_shape=jax.ShapeDtypeStruct((B, n + 1, H, Dk, Dv), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+        interpret=interpret,
+        name="gdn_chunk_states_reverse" if reverse else "gdn_chunk_states",
+    )(*args)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _entering_states(u, w, k, decay, state, prec, interpret):
+    return _recurrence(k, w, u, decay, state, None, reverse=False, prec=prec, interpret=interpret)
+
+
+def _entering_states_fwd(u, w, k, decay, state, prec, interpret):
+    # named here, as the residual: a remat policy that saves the name then keeps the kernel out of the
+    # recomputed forward (a name on the custom_vjp's output alone does not reach its residuals)
+    states = checkpoint_name(_entering_states(u, w, k, decay, state, prec, interpret), CHUNK_STATES_NAME)
+    return states, (u, w, k, decay, states)
+
+
+def _entering_states_bwd(prec, interpret, res, d_states):
+    u, w, k, decay, states = res
+    # G_c for c = 0..n: the reverse map with (k, w) swapped, no b, dS_c added, from G_n = dS_n
+    grads = _recurrence(w, k, None, decay, d_states[:, -1], d_states, reverse=True, prec=prec,
+                        interpret=interpret)
+    h, g_next = states[:, :-1], grads[:, 1:]  # S_c and G_c+1, [B, n, H, Dk, Dv]
+    mm = functools.partial(jnp.einsum, precision=prec)
+    v = u - mm("bnhlk,bnhkv->bnhlv", w, h)
+    dv = mm("bnhlk,bnhkv->bnhlv", k, g_next)  # [B, n, H, L, Dv]
+    dw = -mm("bnhlv,bnhkv->bnhlk", dv, h)
+    dk = mm("bnhlv,bnhkv->bnhlk", v, g_next)
+    d_decay = jnp.sum(h * g_next, axis=(-2, -1))
+    return dv, dw, dk, d_decay, grads[:, 0]
+
+
+_entering_states.defvjp(_entering_states_fwd, _entering_states_bwd)
+
+
+def pallas_entering_states(
+    u: jax.Array,  # [B, n, H, L, Dv] float32
+    w: jax.Array,  # [B, n, H, L, Dk] float32
+    k: jax.Array,  # [B, n, H, L, Dk] float32
+    decay: jax.Array,  # [B, n, H] float32
+    state: jax.Array,  # [B, H, Dk, Dv] float32
+    prec: jax.lax.Precision | None,
+    *,
+    interpret: bool | None = None,
+) -> jax.Array:  # [B, n + 1, H, Dk, Dv] float32
+    """The state entering every chunk, and the final one last. `interpret`: None runs the Triton kernel
+    on a GPU and interprets it elsewhere; False builds it for Triton anywhere (to lower it for "cuda"
+    on a CPU machine)."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return _entering_states(u, w, k, decay, state, prec, interpret)
