@@ -1,5 +1,5 @@
-"""Qwen3.5 decoder stack: embed -> scan over the repeating block of layers (under the config's remat
-policy) -> final norm."""
+"""Qwen3.5 decoder stack: embed -> the repeating block of layers, scanned or one after another
+(`scan_layers`), under the config's remat policy -> final norm."""
 
 from __future__ import annotations
 
@@ -98,6 +98,13 @@ class Block(nnx.Module):
 EMBED_SCOPE = "embed_lookup"
 
 
+def scans_layers(config: Qwen35Config) -> bool:
+    """`config.scan_layers` with "auto" resolved for this backend (False on GPU), read at trace time."""
+    if config.scan_layers == "auto":
+        return jax.default_backend() != "gpu"
+    return bool(config.scan_layers)
+
+
 def embed_lookup(table: jax.Array, tokens: jax.Array, dtype: str) -> jax.Array:
     """table [V, D], tokens [B, S] int -> [B, S, D] rows of the table in `dtype`.
 
@@ -189,11 +196,16 @@ class Qwen35ForCausalLM(nnx.Module):
             check_offload_supported()
             step = nnx.remat(step, policy=_offload_layer_inputs())
 
-        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-        def run(block: Block, x: jax.Array) -> jax.Array:
-            return step(block, x)
+        if scans_layers(self.config):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def run(block: Block, x: jax.Array) -> jax.Array:
+                return step(block, x)
 
-        x = run(self.blocks, x)
+            x = run(self.blocks, x)
+        else:  # block i is the i-th slice of every stacked parameter
+            graphdef, stacked = nnx.split(self.blocks)
+            for i in range(self.config.num_blocks):
+                x = step(nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], stacked)), x)
         return strip(constrain(self.norm(x), ACT_BSD), b, s)
 
     def lm_head_weight(self) -> jax.Array:

@@ -180,3 +180,18 @@ def test_hybrid_layer_types():
     assert hybrid_layer_types(8, 4) == (("linear_attention",) * 3 + ("full_attention",)) * 2
     with pytest.raises(ValueError):
         hybrid_layer_types(4, 0)
+
+
+def test_scan_layers_setting_and_its_runtime_choice():
+    from qwen35_jax.model import scans_layers
+    from qwen35_jax.train.loop import _runtime_config
+    from qwen35_jax.train.options import TrainOptions
+
+    cfg = Qwen35Config.preset("tiny")
+    assert cfg.scan_layers == "auto" and scans_layers(cfg)  # "auto" scans off a GPU
+    assert not scans_layers(cfg.replace(scan_layers=False))
+    with pytest.raises(ValueError, match="scan_layers must be True, False or 'auto', got 'yes'"):
+        cfg.replace(scan_layers="yes")
+    for flag, want in (("auto", "auto"), ("true", True), ("false", False)):
+        options = TrainOptions(scan_layers=flag, compute_dtype="float32")
+        assert _runtime_config(cfg, options).scan_layers == want

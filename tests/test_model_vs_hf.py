@@ -19,7 +19,7 @@ def _pair(config: Qwen35Config, seed: int = 0, read_as: Qwen35Config | None = No
     """Our model and the float64 transformers one of `config`; ours is built from what from_hf reads out of
     transformers' config, which must be `read_as` (default `config`)."""
     hf, hf_config = build_hf(config, seed)
-    ours_cfg = Qwen35Config.from_hf(hf_config, remat=config.remat)
+    ours_cfg = Qwen35Config.from_hf(hf_config, remat=config.remat, scan_layers=config.scan_layers)
     assert ours_cfg == (read_as or config).replace(dtype="float32", param_dtype="float32")
     model = Qwen35ForCausalLM(ours_cfg, rngs=nnx.Rngs(seed))
     load_hf_weights(model, hf)
@@ -173,9 +173,10 @@ def _grad_errors(config, param_paths, s=16) -> dict[str, float]:
 
 
 @pytest.mark.slow
-def test_gradients_match_torch():
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_gradients_match_torch(scan_layers):
     cfg = Qwen35Config.preset("tiny-moe", layer_types=("linear_attention", "full_attention") * 2,
-                              tie_word_embeddings=False)
+                              tie_word_embeddings=False, scan_layers=scan_layers)
     errors = _grad_errors(cfg, [
         (("embed_tokens", "embedding"), "model.embed_tokens.weight"),
         (("lm_head", "kernel"), "lm_head.weight"),

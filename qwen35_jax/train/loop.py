@@ -105,8 +105,10 @@ def _start_model(options: TrainOptions, mesh: jax.sharding.Mesh) -> tuple[Qwen35
 
 
 def _runtime_config(config: Qwen35Config, options: TrainOptions) -> Qwen35Config:
-    """The stored config with this run's compute dtype and remat policy (neither changes the params)."""
-    changes: dict[str, Any] = {"dtype": options.compute_dtype}
+    """The stored config with this run's compute dtype, remat policy and layer loop (none changes the
+    params)."""
+    scan = {"auto": "auto", "true": True, "false": False}[options.scan_layers]
+    changes: dict[str, Any] = {"dtype": options.compute_dtype, "scan_layers": scan}
     if options.remat is not None:
         changes["remat"] = options.remat
     return config.replace(**changes)

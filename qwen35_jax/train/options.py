@@ -33,6 +33,7 @@ CHOICES = {
     "long_rows": ("truncate", "split", "drop"),
     "bad_rows": ("skip", "stop"),
     "remat": REMAT_POLICIES,
+    "scan_layers": ("auto", "true", "false"),
 }
 
 
@@ -87,6 +88,8 @@ class TrainOptions:
     remat: str | None = _opt(None, "activation recomputation: auto, none, full, dots, layer, nested, offload "
                                    "(docs/parallelism.md; default: the model config's, auto: none when the "
                                    "step fits the device, else full)", "precision")
+    scan_layers: str = _opt("auto", "the model's blocks as one lax.scan (true: short compile) or one after "
+                                    "another (false: faster step); auto: false on GPU, true elsewhere", "precision")
     # --- kernels and parallelism (fallbacks without editing code)
     mesh: str | None = _opt(None, "device layout 'fsdp=F,sp=S' (default: all devices on fsdp)", "parallelism")
     attention: str = _opt("auto", "attention kernel: auto, xla, pallas", "parallelism")
@@ -137,8 +140,8 @@ class TrainOptions:
 
 # Fields that may change when a run resumes: they change how it runs, not what it computes.
 RESUMABLE_CHANGES = frozenset({
-    "model", "out", "steps", "mesh", "grad_accum", "compute_dtype", "remat", "attention", "logprob_backend",
-    "lm_head", "gdn_sp_mode", "save_every", "keep", "eval_every", "eval_batches", "eval_data",
+    "model", "out", "steps", "mesh", "grad_accum", "compute_dtype", "remat", "scan_layers", "attention",
+    "logprob_backend", "lm_head", "gdn_sp_mode", "save_every", "keep", "eval_every", "eval_batches", "eval_data",
     "max_bad_steps", "peak_tflops", "progress", "data_workers", "tokenizer"})
 
 
