@@ -75,6 +75,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="our fused log-prob backend, as scripts/train.py's (default auto: Pallas on TPU, XLA elsewhere)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the timed steps, trace one more step of ours with jax.profiler into DIR")
+    p.add_argument("--scan-layers", choices=["auto", "true", "false"], default="auto",
+                   help="Qwen35Config.scan_layers of our model: the blocks as one lax.scan (true) or one after "
+                        "another (false); default auto: false on GPU, true elsewhere")
+    p.add_argument("--gdn-remat", default=None,
+                   help="what our GDN mixers keep for the backward: auto, none or states (default auto: states "
+                        "with the Pallas chunk scan, none otherwise)")
     p.add_argument("--gdn-precision", default=None,
                    help="matmul precision of our GDN core: auto, highest, high or default (default: auto, "
                         "highest on CPU, default elsewhere)")
@@ -104,6 +110,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "keep spinning); ours / transformers: time that stack only, in this process")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
+    args.scan_layers = {"auto": "auto", "true": True, "false": False}[args.scan_layers]
     args.run_ours = args.stack in ("both", "ours")
     args.run_torch = args.stack in ("both", "transformers") and not args.skip_torch
     if args.cores == []:
@@ -119,8 +126,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--dtype bfloat16 needs --skip-torch (the transformers side runs float32)")
     if args.preset is not None and args.preset not in PRESETS:
         p.error(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-    from qwen35_jax.layers.chunk_states import GDN_CHUNK_SCANS
+    from qwen35_jax.layers.chunk_states import GDN_CHUNK_SCANS, GDN_REMATS
     from qwen35_jax.layers.delta_rule import GDN_PRECISIONS
+
+    if args.gdn_remat is not None and args.gdn_remat not in GDN_REMATS:
+        p.error(f"GDN remat {args.gdn_remat!r} is not one of {GDN_REMATS}")
 
     for value in [args.gdn_precision, *(args.core_precisions or [])]:
         if value is not None and value not in GDN_PRECISIONS:
@@ -165,7 +175,7 @@ def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
 
     remat = parse_remat(args.remat)
     if args.preset is not None:
-        config = Qwen35Config.preset(args.preset, dtype=args.dtype)
+        config = Qwen35Config.preset(args.preset, dtype=args.dtype, scan_layers=args.scan_layers)
         config = config if remat is None else config.replace(remat=remat)
         return [(args.preset, config, args.batch or 1, args.seq or 8192)]
     out = []
@@ -175,7 +185,8 @@ def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
         if i == 0:
             settings.update({k: getattr(args, k) for k in SMALL if k != "mrope" and getattr(args, k) is not None})
             batch, seq = args.batch or batch, args.seq or seq
-        out.append((name, build_config(settings, remat, args.dtype), batch, seq))
+        config = build_config(settings, remat, args.dtype).replace(scan_layers=args.scan_layers)
+        out.append((name, config, batch, seq))
     return out
 
 
@@ -535,7 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
-    from qwen35_jax.layers.chunk_states import gdn_chunk_scan
+    from qwen35_jax.layers.chunk_states import gdn_chunk_scan, gdn_remat
     from qwen35_jax.layers.delta_rule import gdn_precision
 
     rows, breakdown = [], None
@@ -543,7 +554,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.stack == "both" and args.run_torch:
         rows, breakdown, tunables = run_isolated(sys.argv[1:] if argv is None else argv)
     else:
-        with gdn_precision(args.gdn_precision), gdn_chunk_scan(args.gdn_chunk_scan):
+        with gdn_precision(args.gdn_precision), gdn_chunk_scan(args.gdn_chunk_scan), gdn_remat(args.gdn_remat):
             planned = [] if args.cores_only else runs(args)
             for name, config, batch, seq in planned:
                 rows.append(bench_config(name, config, batch, seq, args))

@@ -19,15 +19,20 @@
 #   5. (scripts/bench_train.py, each call limited to TRAIN_LIMIT_S) the train step of the 0.8B shapes,
 #      all 24 layers, bfloat16 compute, one row of 8192 tokens: tokens/s and MFU against the H200's
 #      989 TFLOP/s dense bf16 peak ($OUT/train_step.json) and one traced step
-#      ($OUT/train_profile.xplane.pb.gz, for xprof). If the step fails, it runs again on XLA's attention
-#      and log-prob kernels ($OUT/train_step_xla.json), which tells whether a Pallas kernel was the
-#      cause. Else the GDN core alone at S = 8192, 16 heads of 128, forward+backward at
-#      Precision.DEFAULT with the associative and the sequential chunk scan ($OUT/gdn_core.json), then
-#      four rows of 8192 ($OUT/train_step_b4.json; TRAIN_B4=0 skips it).
+#      ($OUT/train_profile.xplane.pb.gz, for xprof) with its optimised HLO ($OUT/train_step_hlo.txt.gz).
+#      If the step fails, it runs again with the XLA chunk scan ($OUT/train_step_associative.json) and,
+#      failing that, also on XLA's attention and log-prob kernels ($OUT/train_step_xla.json), which
+#      tells which Pallas kernel was the cause. Else the GDN core alone at S = 8192, 16 heads of 128,
+#      forward+backward at Precision.DEFAULT with the Pallas and the associative chunk scan
+#      ($OUT/gdn_core.json; GDN_CORE=0 skips it), then four rows of 8192 ($OUT/train_step_b4.json;
+#      TRAIN_B4=0 skips it). TRAIN_VARIANTS="--scan-layers true;--gdn-remat none" times more one-row steps
+#      first, one per ';'-separated set of bench_train flags ($OUT/train_variant_<i>.json).
 # KERNEL_STAGES=correctness,attention (names as in device_check.json) runs only those of 1-4.
 # STAGES=kernels (1-4) or STAGES=train (5) runs one part. On 2026-12-04 an H200 took 140 s for 1-3
-# (4 cut by its budget) and 30-60 s per compile of the 0.8B step; run the two parts as two commands
-# where a command is limited to 10 minutes, train first.
+# (4 cut by its budget) and 25-60 s per compile of the 0.8B step (blocks scanned / one after another);
+# the first train call (compile, 4 steps, the traced step and its HLO dump) took over 95 s with the
+# blocks one after another: keep TRAIN_LIMIT_S at 150 or more. Run the two parts as two commands where
+# a command is limited to 10 minutes, train first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./device_check_out}"
@@ -293,19 +298,36 @@ if [[ ",$STAGES," == *,train,* ]]; then
     return "${PIPESTATUS[0]}"
   }
   : >"$OUT/train_step_log.txt"
-  train --batch 1 --profile "$OUT/profile" --json "$OUT/train_step.json"
+  # the step's optimised HLO names the fusions the trace shows (CUDA graphs hide them from xprof's
+  # op statistics): dumped while it compiles, kept compressed
+  XLA_FLAGS="${XLA_FLAGS:-} --xla_dump_to=$OUT/hlo --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step" \
+    train --batch 1 --profile "$OUT/profile" --json "$OUT/train_step.json"
   train_status=$?
   # the traced step (xprof's .xplane.pb), compressed, two folders down at most so it comes back
   trace=$(find "$OUT/profile" -name '*.xplane.pb' 2>/dev/null | head -1)
   [ -n "$trace" ] && gzip -c "$trace" >"$OUT/train_profile.xplane.pb.gz"
-  rm -rf "$OUT/profile"
-  if [ "$train_status" -ne 0 ]; then  # was it a Pallas kernel? the same step on XLA's kernels
-    echo "== train step failed ($train_status); again with --attention xla --logprob-backend xla" \
+  hlo=$(ls -S "$OUT"/hlo/*jit_step*after_optimizations.txt 2>/dev/null | head -1)
+  [ -n "$hlo" ] && gzip -c "$hlo" >"$OUT/train_step_hlo.txt.gz"
+  rm -rf "$OUT/profile" "$OUT/hlo"
+  if [ "$train_status" -eq 124 ]; then  # out of time, not failed: a fallback would only spend more
+    echo "== train step ran past TRAIN_LIMIT_S=${TRAIN_LIMIT_S:-330} s (compile, steps and trace); no fallback" \
       | tee -a "$OUT/train_step_log.txt"
-    train --batch 1 --attention xla --logprob-backend xla --json "$OUT/train_step_xla.json"
+  elif [ "$train_status" -ne 0 ]; then  # which kernel? the same step with the XLA chunk scan, then XLA's kernels
+    echo "== train step failed ($train_status); again with --gdn-chunk-scan associative" | tee -a "$OUT/train_step_log.txt"
+    train --batch 1 --gdn-chunk-scan associative --json "$OUT/train_step_associative.json" || {
+      echo "== failed again; with --attention xla --logprob-backend xla" | tee -a "$OUT/train_step_log.txt"
+      train --batch 1 --gdn-chunk-scan associative --attention xla --logprob-backend xla \
+        --json "$OUT/train_step_xla.json"; }
   else
-    train --batch 1 --cores gdn --cores-only --core-precisions default --core-scans associative sequential \
-      --json "$OUT/gdn_core.json"
+    # more one-row steps, each with its own bench_train flags: TRAIN_VARIANTS="--scan-layers true;--gdn-remat none"
+    IFS=';' read -ra variants <<<"${TRAIN_VARIANTS:-}"
+    for i in "${!variants[@]}"; do
+      read -ra flags <<<"${variants[$i]}"
+      echo "== variant $i: ${flags[*]}" | tee -a "$OUT/train_step_log.txt"
+      train --batch 1 "${flags[@]}" --json "$OUT/train_variant_$i.json"
+    done
+    [ "${GDN_CORE:-1}" = "1" ] && train --batch 1 --cores gdn --cores-only --core-precisions default \
+      --core-scans pallas associative --json "$OUT/gdn_core.json"
     # four rows of 8192: what a larger step buys (fixed costs, occupancy)
     [ "${SMOKE:-0}" != "1" ] && [ "${TRAIN_B4:-1}" = "1" ] && train --batch 4 --json "$OUT/train_step_b4.json"
   fi
