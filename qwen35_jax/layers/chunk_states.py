@@ -56,14 +56,19 @@ _remat: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_remat", defaul
 
 
 @contextlib.contextmanager
-def gdn_remat(name: str | None) -> Iterator[None]:
-    """What GDN mixers traced inside the block keep for the backward (GDN_REMATS); None: as is."""
-    token = _remat.set(resolve_gdn_remat(name, on_backend=False)) if name is not None else None
+def _setting(var: contextvars.ContextVar[str], value: str | None) -> Iterator[None]:
+    """`var` set to `value` inside the block (None: left as is)."""
+    token = var.set(value) if value is not None else None
     try:
         yield
     finally:
         if token is not None:
-            _remat.reset(token)
+            var.reset(token)
+
+
+def gdn_remat(name: str | None) -> contextlib.AbstractContextManager[None]:
+    """What GDN mixers traced inside the block keep for the backward (GDN_REMATS); None: as is."""
+    return _setting(_remat, None if name is None else resolve_gdn_remat(name, on_backend=False))
 
 
 def resolve_gdn_remat(name: str | None = None, *, on_backend: bool = True) -> str:
@@ -76,16 +81,10 @@ def resolve_gdn_remat(name: str | None = None, *, on_backend: bool = True) -> st
     return name
 
 
-@contextlib.contextmanager
-def gdn_chunk_scan(name: str | None) -> Iterator[None]:
+def gdn_chunk_scan(name: str | None) -> contextlib.AbstractContextManager[None]:
     """Chunk-state scan (GDN_CHUNK_SCANS) of delta rules traced inside the block; None leaves it as is.
     Like any trace-time setting it must wrap the first trace of a jitted step."""
-    token = _scan.set(resolve_gdn_chunk_scan(name, on_backend=False)) if name is not None else None
-    try:
-        yield
-    finally:
-        if token is not None:
-            _scan.reset(token)
+    return _setting(_scan, None if name is None else resolve_gdn_chunk_scan(name, on_backend=False))
 
 
 def resolve_gdn_chunk_scan(name: str | None = None, *, on_backend: bool = True) -> str:
