@@ -257,3 +257,17 @@ def test_every_precision_setting_traces_and_agrees_on_cpu():
     for name in ("highest", "high", "default"):
         out, _ = chunked_gated_delta_rule(q * DK**-0.5, k, v, g, beta, chunk_size=16, precision=name)
         _close(out, ref)  # float32 CPU matmuls ignore the precision; conftest forces "highest" as default
+
+
+def test_pallas_chunk_scan_needs_triton_sized_tiles_on_gpu(monkeypatch):
+    # On a GPU the Triton kernel takes power-of-two tiles of at least 16: "auto" then runs the
+    # associative scan for other head dims or chunk sizes, and an explicit "pallas" is a one-line error.
+    import qwen35_jax.layers.chunk_states as cs
+
+    assert cs.kernel_fits(128, 128, 64) and cs.kernel_fits(64, 32, 16)
+    assert not cs.kernel_fits(96, 128, 64) and not cs.kernel_fits(128, 128, 8) and not cs.kernel_fits(128, 96, 64)
+    monkeypatch.setattr(cs.jax, "default_backend", lambda: "gpu")
+    assert cs.chunk_scan_for(None, 128, 128, 64) == "pallas"  # "auto" on GPU
+    assert cs.chunk_scan_for(None, 96, 96, 64) == "associative"
+    with pytest.raises(ValueError, match="'pallas' needs .* got Dk=96, Dv=96, chunk 64"):
+        cs.chunk_scan_for("pallas", 96, 96, 64)

@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from qwen35_jax.layers.chunk_states_pallas import CHUNK_STATES_NAME, pallas_entering_states
+from qwen35_jax.layers.chunk_states_pallas import CHUNK_STATES_NAME, kernel_fits, pallas_entering_states
 
 GDN_CHUNK_SCANS = ("auto", "sequential", "associative", "pallas")
 _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", default="auto")
@@ -95,6 +95,19 @@ def resolve_gdn_chunk_scan(name: str | None = None, *, on_backend: bool = True) 
     if on_backend and name == "auto":
         return {"cpu": "sequential", "gpu": "pallas"}.get(jax.default_backend(), "associative")
     return name
+
+
+def chunk_scan_for(name: str | None, dk: int, dv: int, chunk: int) -> str:
+    """The scan to run for these head and chunk sizes: `resolve_gdn_chunk_scan(name)`, except that
+    where the Triton kernel cannot take them (on GPU) "auto" runs "associative" and an explicit
+    "pallas" is a one-line error."""
+    scan = resolve_gdn_chunk_scan(name)
+    if scan != "pallas" or jax.default_backend() != "gpu" or kernel_fits(dk, dv, chunk):
+        return scan
+    if (_scan.get() if name is None else name) == "auto":
+        return "associative"
+    raise ValueError(f"GDN chunk scan 'pallas' needs key/value head dims and chunk size that are powers of two "
+                     f">= 16 on GPU, got Dk={dk}, Dv={dv}, chunk {chunk}; use gdn_chunk_scan('associative')")
 
 
 def _mm(spec: str, a: jax.Array, b: jax.Array, prec: jax.lax.Precision | None) -> jax.Array:

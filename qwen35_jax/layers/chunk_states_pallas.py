@@ -40,6 +40,12 @@ BLOCK_V = 64  # columns of the state per program: [Dk, 64] float32 lives in regi
 NUM_WARPS = 4
 
 
+def kernel_fits(dk: int, dv: int, chunk: int) -> bool:
+    """Whether Triton can compile the kernel for these sizes: its tiles ([L, Dk], [Dk, min(Dv, 64)])
+    need powers of two of at least 16 (every Qwen3.5 model: 128, 128 and chunks of 64)."""
+    return all(x >= 16 and x & (x - 1) == 0 for x in (dk, min(dv, BLOCK_V), chunk)) and dv % min(dv, BLOCK_V) == 0
+
+
 def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_ref, *, n: int, reverse: bool,
                        prec):
     # p_ref, q_ref [n, L, Dk]; b_ref [n, L, BV] or None; decay_ref [n]; first_ref [Dk, BV];

@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import jax
 import jax.numpy as jnp
 
-from qwen35_jax.layers.chunk_states import CHUNK_STATES, resolve_gdn_chunk_scan
+from qwen35_jax.layers.chunk_states import CHUNK_STATES, chunk_scan_for
 from qwen35_jax.layers.tiling import delta_rule_tile, tiled_delta_rule
 from qwen35_jax.layers.triangular import unit_lower_inverse
 
@@ -232,7 +232,7 @@ def chunked_gated_delta_rule(
     def value_heads(x):  # [B, n, Hk, G, ...] -> [B, n, Hv, ...]
         return x.reshape(B, n, Hv, *x.shape[4:])
 
-    carry_state = CHUNK_STATES[resolve_gdn_chunk_scan(chunk_scan)]
+    carry_state = CHUNK_STATES[chunk_scan_for(chunk_scan, Dk, Dv, L)]
     out, state = carry_state(*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)), state,
                              prec)  # out [B, n, Hv, L, Dv]
     out = jnp.transpose(out, (0, 1, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
