@@ -15,7 +15,7 @@ import jax
 from qwen35_kernels.logprob_entropy.api import resolve_backend
 
 from qwen35_jax.layers.attention_kernels import attention_implementation
-from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
+from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
 
 @contextlib.contextmanager

@@ -64,8 +64,8 @@ def test_stored_cotangent_is_the_identity_with_the_same_gradient():
     np.testing.assert_array_equal(materialized(x), x)
 
 
-@pytest.mark.parametrize("first", ["qwen35_jax.parallel.gdn_state_passing", "qwen35_jax.parallel.ulysses",
-                                   "qwen35_jax.layers.gated_deltanet"])
+@pytest.mark.parametrize("first", ["qwen35_jax.layers.gdn_state_passing", "qwen35_jax.parallel.ulysses",
+                                   "qwen35_jax.layers.gated_deltanet", "qwen35_jax.parallel"])
 def test_gdn_modules_import_in_any_order(first):
     code = f"import {first}; import qwen35_jax.model; from qwen35_jax.layers.gated_deltanet import gdn_core"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

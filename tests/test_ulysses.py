@@ -198,8 +198,8 @@ def _boundary_segments(b, s, sp):
 ])
 def test_gdn_state_passing_matches(layout, key_heads, scan):
     from qwen35_jax.layers.chunk_states import gdn_chunk_scan
-    from qwen35_jax.layers.gated_deltanet import gdn_core
-    from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
+    from qwen35_jax.layers.gated_deltanet import gdn_core, sharded_gdn_core
+    from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
     sp = int(layout.split("sp=")[1])
     args, _, w = _gdn_inputs(b=2, s=32, hk=key_heads, hv=4, d=8, kc=4)
@@ -211,7 +211,7 @@ def test_gdn_state_passing_matches(layout, key_heads, scan):
 
     def sharded(*a):
         with gdn_sp_mode("state_passing"), gdn_chunk_scan(scan):
-            return ulysses_gdn(gdn_core, *a, seg, **static)
+            return sharded_gdn_core(*a, seg, **static)
 
     def loss(args, fn):
         return jnp.sum(fn(*args) * w)
@@ -232,14 +232,14 @@ def test_gdn_state_passing_matches(layout, key_heads, scan):
 
 
 def test_gdn_state_passing_needs_a_halo_sized_shard():
-    from qwen35_jax.layers.gated_deltanet import gdn_core
-    from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
+    from qwen35_jax.layers.gated_deltanet import sharded_gdn_core
+    from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
     args, seg, _ = _gdn_inputs(b=2, s=16, hk=2, hv=4, d=4, kc=4)
     with jax.set_mesh(make_mesh("fsdp=1,sp=8")), gdn_sp_mode("state_passing"), pytest.raises(
         ValueError, match="needs >= 3 tokens per shard"
     ):
-        ulysses_gdn(gdn_core, *args, seg, eps=1e-6, chunk_size=4)
+        sharded_gdn_core(*args, seg, eps=1e-6, chunk_size=4)
     with pytest.raises(ValueError, match="not one of"):
         with gdn_sp_mode("ring"):
             pass

@@ -2,7 +2,8 @@
 
 The module does the projections and out_proj; everything along the sequence (causal conv1d, the
 delta-rule recurrence, the gated norm) lives in `gdn_core`, whose arrays all carry an explicit head
-axis so that a sequence-parallel wrapper can all-to-all sequence shards into head shards around it.
+axis so that a sequence-parallel wrapper can all-to-all sequence shards into head shards around it
+(`sharded_gdn_core` picks that or state passing under a mesh).
 """
 
 from __future__ import annotations
@@ -17,11 +18,12 @@ from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.chunk_states import CHUNK_STATES_NAME, resolve_gdn_remat
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_inputs import rule_inputs
+from qwen35_jax.layers.gdn_state_passing import current_gdn_mode, gdn_state_passing
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.norms import GatedRMSNorm, gated_rms_norm
 from qwen35_jax.layers.tiling import delta_rule_tile
-from qwen35_jax.parallel.ulysses import ulysses_gdn
+from qwen35_jax.parallel.ulysses import active_sp_mesh, ulysses_gdn
 
 
 def gdn_core(
@@ -70,6 +72,34 @@ def gdn_core(
     out, _ = gdn_segment(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids,
                          eps=eps, chunk_size=chunk_size)
     return out
+
+
+def sharded_gdn_core(
+    q: jax.Array,  # [B, S/sp, Hk, Dk] raw in_proj_qkv output, this device's sequence shard
+    k: jax.Array,  # [B, S/sp, Hk, Dk]
+    v: jax.Array,  # [B, S/sp, Hv, Dv]
+    z: jax.Array,  # [B, S/sp, Hv, Dv]
+    b: jax.Array,  # [B, S/sp, Hv]
+    a: jax.Array,  # [B, S/sp, Hv]
+    conv_q: jax.Array,  # [Kc, Hk, Dk]
+    conv_k: jax.Array,  # [Kc, Hk, Dk]
+    conv_v: jax.Array,  # [Kc, Hv, Dv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_weight: jax.Array,  # [Dv]
+    segment_ids: jax.Array,  # [B, S/sp]
+    *,
+    eps: float,
+    chunk_size: int,
+) -> jax.Array:  # [B, S/sp, Hv, Dv]
+    """`gdn_core` under the context mesh's sequence parallelism: the seq <-> heads all-to-all around it
+    (`ulysses_gdn`, the default) or, inside `gdn_sp_mode("state_passing")`, states passed between
+    sequence shards (`gdn_state_passing`). Without a mesh, or at sp = 1, `gdn_core` itself."""
+    args = (q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids)
+    mesh = active_sp_mesh()
+    if mesh is not None and current_gdn_mode() == "state_passing":
+        return gdn_state_passing(*args, mesh=mesh, eps=eps, chunk_size=chunk_size)
+    return ulysses_gdn(gdn_core, *args, eps=eps, chunk_size=chunk_size)
 
 
 def gdn_segment(
@@ -171,8 +201,7 @@ class GatedDeltaNet(nnx.Module):
         conv_k = w[:, Hk * Dk : 2 * Hk * Dk].reshape(Kc, Hk, Dk)
         conv_v = w[:, 2 * Hk * Dk :].reshape(Kc, Hv, Dv)
 
-        # seq<->heads all-to-all under sp (a plain gdn_core call without a mesh or at sp = 1)
-        out = ulysses_gdn(gdn_core, q, k, v, z, b, a, conv_q, conv_k, conv_v, self.A_log[...],
-                          self.dt_bias[...], self.norm.weight[...], segment_ids,
-                          eps=self.config.rms_norm_eps, chunk_size=self.config.gdn_chunk_size)  # [B, S, Hv, Dv]
+        out = sharded_gdn_core(q, k, v, z, b, a, conv_q, conv_k, conv_v, self.A_log[...], self.dt_bias[...],
+                               self.norm.weight[...], segment_ids,
+                               eps=self.config.rms_norm_eps, chunk_size=self.config.gdn_chunk_size)  # [B, S, Hv, Dv]
         return self.out_proj(out.reshape(B, S, Hv * Dv))

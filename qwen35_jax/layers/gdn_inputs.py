@@ -2,7 +2,7 @@
 
 The depthwise short causal conv1d + SiLU whose window stops at document starts, the L2 norm of q and
 k, and the gates beta and g; `rule_inputs` does all of it, with an optional conv halo. Shared by
-`gated_deltanet.gdn_core` (whole sequences and their tiles) and `parallel/gdn_state_passing.py`
+`gated_deltanet.gdn_core` (whole sequences and their tiles) and `gdn_state_passing.py`
 (sequence shards with a conv halo).
 """
 

@@ -10,7 +10,7 @@ from qwen35_jax.config import REMAT_POLICIES, Qwen35Config
 from qwen35_jax.memory.budget import step_budget
 from qwen35_jax.memory.search import longest_fitting, parse_bytes
 from qwen35_jax.memory.step_memory import StepMemory, step_memory
-from qwen35_jax.parallel.gdn_state_passing import GDN_MODES
+from qwen35_jax.layers.gdn_state_passing import GDN_MODES
 
 
 def components(m: StepMemory) -> dict[str, int]:

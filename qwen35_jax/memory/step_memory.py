@@ -23,7 +23,7 @@ from jax.sharding import NamedSharding
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention_kernels import attention_implementation
 from qwen35_jax.layers.tiling import DEFAULT_SEQUENCE_TILE, sequence_tile
-from qwen35_jax.parallel.gdn_state_passing import gdn_sp_mode
+from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings
 from qwen35_jax.train.optim import make_optimizer, make_schedule, opt_state_shardings
 from qwen35_jax.train.step import MICRO_BSS, StepOptions, make_train_step

@@ -1,8 +1,8 @@
-"""fsdp x sp parallelism: the mesh and its shardings, Ulysses sequence parallelism (or GDN state
-passing), token-local modules per device, internal padding.
+"""fsdp x sp parallelism: the mesh and its shardings, Ulysses sequence parallelism, token-local
+modules per device, internal padding. Nothing here imports the layers (they import this package);
+GDN state passing, which is the GDN mixer's own math, lives in `layers/gdn_state_passing.py`.
 
-Names load on first use: the layers import `parallel.mesh` while `parallel.ulysses` and
-`parallel.gdn_state_passing` import the layers' mixers, so an eager package import would be circular.
+Names load on first use, so importing one module of the package does not import the others.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "gdn_sp_mode": "gdn_state_passing", "token_local": "local", "pad_inputs": "padding", "strip": "padding",
+    "token_local": "local", "pad_inputs": "padding", "strip": "padding",
     "ulysses_attention": "ulysses", "ulysses_gdn": "ulysses",
     **{name: "mesh" for name in ("ACT_BSD", "FSDP", "SP", "TOKENS_BS", "constrain", "create_sharded",
                                  "init_distributed", "make_mesh", "param_spec", "parse_mesh", "shard_model",

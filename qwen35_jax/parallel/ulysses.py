@@ -9,8 +9,8 @@ Grouped heads (GQA kv heads, GDN key heads) that do not split evenly over sp are
 all-to-all so that every device receives exactly the shared heads its own heads read.
 
 The wrappers read the context mesh (`jax.set_mesh(mesh)`); with no mesh, or sp == 1, they call the
-mixer directly, so single-device code is unchanged. GDN layers can pass states between sequence
-shards instead (`gdn_state_passing.gdn_sp_mode("state_passing")`).
+mixer directly, so single-device code is unchanged. (GDN layers can instead pass states between
+sequence shards: `layers/gdn_state_passing.py`, chosen by the layer.)
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from qwen35_jax.parallel.gdn_state_passing import current_gdn_mode, gdn_state_passing
 from qwen35_jax.parallel.mesh import FSDP, SP, auto_mesh, mesh_axis_size
 
 # Named scopes of the two wrappers: they appear in the HLO metadata (op_name) of their collectives.
@@ -196,15 +195,12 @@ def ulysses_gdn(
     segment_ids: jax.Array,  # [B, S/sp]
     **static: object,  # eps, chunk_size
 ) -> jax.Array:  # [B, S/sp, Hv, Dv]
-    """The gated DeltaNet core sequence-parallel over value heads (key heads follow, replicated), or,
-    inside `gdn_sp_mode("state_passing")`, by passing states between sequence shards."""
+    """The gated DeltaNet core sequence-parallel over value heads (key heads follow, replicated)."""
     call = functools.partial(core, **static)
     args = (q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids)
     mesh = active_sp_mesh()
     if mesh is None:
         return call(*args)
-    if current_gdn_mode() == "state_passing":
-        return gdn_state_passing(*args, mesh=mesh, **static)
     sp = mesh_axis_size(mesh, SP)
     n_v, n_k = v.shape[2], q.shape[2]
     check_heads(n_v, sp, "gated DeltaNet value heads")
