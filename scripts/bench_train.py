@@ -98,6 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--core-scans", nargs="+", default=None,
                    help="time the GDN core with each of these chunk scans (with every --core-precisions), "
                         "errors against the first variant")
+    p.add_argument("--core-kernel-blocks", nargs="+", default=None, metavar="BV:WARPS",
+                   help="time the GDN core's Pallas chunk-state kernels with each of these (state columns per "
+                        "program, warps), e.g. 32:4 64:4 64:8 (with --core-scans pallas)")
     p.add_argument("--breakdown", action="store_true",
                    help="also time our pieces alone (each layer kind, mixer, MLP, delta rule, loss, model "
                         "body) on the first config's shapes")
@@ -129,6 +132,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     from qwen35_jax.layers.chunk_states import GDN_CHUNK_SCANS, GDN_REMATS
     from qwen35_jax.layers.delta_rule import GDN_PRECISIONS
 
+    blocks = []
+    for value in args.core_kernel_blocks or []:
+        try:
+            bv, warps = (int(x) for x in value.split(":"))
+        except ValueError:
+            p.error(f"--core-kernel-blocks takes BV:WARPS pairs such as 64:4, got {value!r}")
+        blocks.append((bv, warps))
+    args.core_kernel_blocks = blocks or None
     if args.gdn_remat is not None and args.gdn_remat not in GDN_REMATS:
         p.error(f"GDN remat {args.gdn_remat!r} is not one of {GDN_REMATS}")
 
@@ -321,6 +332,13 @@ def jit_cpu_tuned(fn: Callable) -> Callable:
     return jax.jit(fn, compiler_options=compiler_options())
 
 
+def _with_kernel_blocks(blocks: tuple[int, int], fn: Callable, *args: object) -> object:
+    from qwen35_jax.layers.chunk_states_pallas import gdn_kernel_blocks
+
+    with gdn_kernel_blocks(*blocks):
+        return fn(*args)
+
+
 def bench_cores(args: argparse.Namespace) -> list[dict]:
     """The sequence mixers alone, forward+backward of sum(out * cotangent), at S = --core-seq."""
     import jax
@@ -344,15 +362,19 @@ def bench_cores(args: argparse.Namespace) -> list[dict]:
         cot = rng.standard_normal((B, S, H, D)).astype(np.float32)
         jargs = [jnp.asarray(x) for x in (q, k, v, g, beta)]
         grads = {}
-        for scan in args.core_scans or [None]:
-            for precision in args.core_precisions or [None]:
-                def gdn_loss(q, k, v, g, beta, precision=precision, scan=scan):
-                    out, _ = chunked_gated_delta_rule(q * D**-0.5, k, v, g, beta, precision=precision,
-                                                      chunk_scan=scan)
-                    return jnp.sum(out * cot)
+        variants = [(scan, precision, blocks) for scan in args.core_scans or [None]
+                    for precision in args.core_precisions or [None] for blocks in args.core_kernel_blocks or [None]]
+        for scan, precision, blocks in variants:
+            def gdn_loss(q, k, v, g, beta, precision=precision, scan=scan):
+                out, _ = chunked_gated_delta_rule(q * D**-0.5, k, v, g, beta, precision=precision,
+                                                  chunk_scan=scan)
+                return jnp.sum(out * cot)
 
-                name = " ".join(["ours", *(x for x in (precision, scan) if x is not None)])
-                grads[name] = jit_cpu_tuned(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
+            grad = jit_cpu_tuned(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
+            if blocks is not None:  # traced (at the first call) inside the kernel-blocks setting
+                grad = (lambda *a, grad=grad, blocks=blocks: _with_kernel_blocks(blocks, grad, *a))
+            label = None if blocks is None else "blocks {}x{}".format(*blocks)
+            grads[" ".join(["ours", *(x for x in (precision, scan, label) if x is not None)])] = grad
         fns = {name: (lambda f=f: jax.block_until_ready(f(*jargs))) for name, f in grads.items()} \
             if args.run_ours else {}
         if args.run_torch:

@@ -23,10 +23,10 @@
 #      If the step fails, it runs again with the XLA chunk scan ($OUT/train_step_associative.json) and,
 #      failing that, also on XLA's attention and log-prob kernels ($OUT/train_step_xla.json), which
 #      tells which Pallas kernel was the cause. Else the GDN core alone at S = 8192, 16 heads of 128,
-#      forward+backward at Precision.DEFAULT with the Pallas and the associative chunk scan
+#      forward+backward at Precision.DEFAULT with the Pallas chunk scan at five kernel block sizes
 #      ($OUT/gdn_core.json; GDN_CORE=0 skips it), then four rows of 8192 ($OUT/train_step_b4.json;
-#      TRAIN_B4=0 skips it). TRAIN_VARIANTS="--scan-layers true;--gdn-remat none" times more one-row steps
-#      first, one per ';'-separated set of bench_train flags ($OUT/train_variant_<i>.json).
+#      TRAIN_B4=0 skips it). TRAIN_VARIANTS="--attention xla;--scan-layers true" times more one-row
+#      steps first, one per ';'-separated set of bench_train flags ($OUT/train_variant_<i>.json).
 # KERNEL_STAGES=correctness,attention (names as in device_check.json) runs only those of 1-4.
 # STAGES=kernels (1-4) or STAGES=train (5) runs one part. On 2026-12-04 an H200 took 140 s for 1-3
 # (4 cut by its budget) and 25-60 s per compile of the 0.8B step (blocks scanned / one after another);
@@ -319,15 +319,16 @@ if [[ ",$STAGES," == *,train,* ]]; then
       train --batch 1 --gdn-chunk-scan associative --attention xla --logprob-backend xla \
         --json "$OUT/train_step_xla.json"; }
   else
-    # more one-row steps, each with its own bench_train flags: TRAIN_VARIANTS="--scan-layers true;--gdn-remat none"
+    # more one-row steps, each with its own bench_train flags: TRAIN_VARIANTS="--attention xla;--scan-layers true"
     IFS=';' read -ra variants <<<"${TRAIN_VARIANTS:-}"
     for i in "${!variants[@]}"; do
       read -ra flags <<<"${variants[$i]}"
       echo "== variant $i: ${flags[*]}" | tee -a "$OUT/train_step_log.txt"
       train --batch 1 "${flags[@]}" --json "$OUT/train_variant_$i.json"
     done
+    # the chunk-state kernel's (state columns per program, warps), the default first
     [ "${GDN_CORE:-1}" = "1" ] && train --batch 1 --cores gdn --cores-only --core-precisions default \
-      --core-scans pallas associative --json "$OUT/gdn_core.json"
+      --core-scans pallas --core-kernel-blocks 64:4 16:4 32:4 64:8 128:8 --json "$OUT/gdn_core.json"
     # four rows of 8192: what a larger step buys (fixed costs, occupancy)
     [ "${SMOKE:-0}" != "1" ] && [ "${TRAIN_B4:-1}" = "1" ] && train --batch 4 --json "$OUT/train_step_b4.json"
   fi

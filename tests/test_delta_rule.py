@@ -271,3 +271,25 @@ def test_pallas_chunk_scan_needs_triton_sized_tiles_on_gpu(monkeypatch):
     assert cs.chunk_scan_for(None, 96, 96, 64) == "associative"
     with pytest.raises(ValueError, match="'pallas' needs .* got Dk=96, Dv=96, chunk 64"):
         cs.chunk_scan_for("pallas", 96, 96, 64)
+
+
+def test_pallas_kernel_blocks_split_the_state_columns_alike():
+    # The state's columns never mix, so any split of Dv over programs gives the same states up to the
+    # float32 rounding of differently shaped matmuls (measured 2.4e-6 on states of O(1); 2e-5 allows
+    # other CPUs, not a lost or doubled column block); blocks wider than Dv take the whole head. Bad
+    # blocks are a one-line error.
+    from qwen35_jax.layers.chunk_states_pallas import gdn_kernel_blocks
+
+    rng = np.random.default_rng(0)
+    n, b, h, L, dk, dv = 3, 1, 2, 16, 16, 64
+    u, w, k = (jnp.asarray(rng.normal(size=(b, n, h, L, d)).astype(np.float32) * 0.3) for d in (dv, dk, dk))
+    decay = jnp.asarray(rng.uniform(0.5, 1.0, size=(b, n, h)).astype(np.float32))
+    state = jnp.asarray(rng.normal(size=(b, h, dk, dv)).astype(np.float32))
+    hi = jax.lax.Precision.HIGHEST
+    want = pallas_entering_states(u, w, k, decay, state, hi)
+    for blocks in ((16, 4), (32, 8), (128, 2)):
+        with gdn_kernel_blocks(*blocks):
+            np.testing.assert_allclose(pallas_entering_states(u, w, k, decay, state, hi), want, rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="block_v must be a power of two >= 16"):
+        with gdn_kernel_blocks(24, 4):
+            pass

@@ -26,7 +26,10 @@ float32). Off a GPU the kernel runs interpreted (tests).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -36,14 +39,32 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.gdn_remat)
-BLOCK_V = 64  # columns of the state per program: [Dk, 64] float32 lives in registers at Dk = 128
-NUM_WARPS = 4
+# (state columns per program, Triton warps per program): [Dk, 64] float32 lives in registers at
+# Dk = 128, and B x H x Dv / 64 programs run side by side (32 at one row of the 0.8B's 16 heads).
+DEFAULT_BLOCKS = (64, 4)
+_blocks: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("gdn_kernel_blocks",
+                                                                         default=DEFAULT_BLOCKS)
+
+
+@contextlib.contextmanager
+def gdn_kernel_blocks(block_v: int, num_warps: int) -> Iterator[None]:
+    """Kernels traced inside the block take `block_v` state columns per program and `num_warps` warps
+    (benchmarks sweep them; a power of two >= 16, and 1, 2, 4 or 8)."""
+    if block_v < 16 or block_v & (block_v - 1) or num_warps not in (1, 2, 4, 8):
+        raise ValueError(f"GDN kernel blocks: block_v must be a power of two >= 16 and num_warps 1, 2, 4 or 8, "
+                         f"got {block_v} and {num_warps}")
+    token = _blocks.set((block_v, num_warps))
+    try:
+        yield
+    finally:
+        _blocks.reset(token)
 
 
 def kernel_fits(dk: int, dv: int, chunk: int) -> bool:
     """Whether Triton can compile the kernel for these sizes: its tiles ([L, Dk], [Dk, min(Dv, 64)])
     need powers of two of at least 16 (every Qwen3.5 model: 128, 128 and chunks of 64)."""
-    return all(x >= 16 and x & (x - 1) == 0 for x in (dk, min(dv, BLOCK_V), chunk)) and dv % min(dv, BLOCK_V) == 0
+    bv = min(dv, _blocks.get()[0])
+    return all(x >= 16 and x & (x - 1) == 0 for x in (dk, bv, chunk)) and dv % bv == 0
 
 
 def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_ref, *, n: int, reverse: bool,
@@ -78,7 +99,8 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
     """
     B, n, H, L, Dk = p.shape
     Dv = first.shape[-1]
-    bv = min(BLOCK_V, Dv)
+    block_v, num_warps = _blocks.get()
+    bv = min(block_v, Dv)
     if Dv % bv:
         raise ValueError(f"pallas chunk scan: value head dim {Dv} is not a multiple of {bv}")
     # grid (B, H, Dv / bv): each program sees its own sequence and head, all chunks, bv state columns
@@ -110,7 +132,7 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
         in_specs=in_specs,
         out_specs=states,
         out_shape=jax.ShapeDtypeStruct((B, n + 1, H, Dk, Dv), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="gdn_chunk_states_reverse" if reverse else "gdn_chunk_states",
     )(*args)
