@@ -74,28 +74,11 @@ def gdn_core(
     return out
 
 
-def sharded_gdn_core(
-    q: jax.Array,  # [B, S/sp, Hk, Dk] raw in_proj_qkv output, this device's sequence shard
-    k: jax.Array,  # [B, S/sp, Hk, Dk]
-    v: jax.Array,  # [B, S/sp, Hv, Dv]
-    z: jax.Array,  # [B, S/sp, Hv, Dv]
-    b: jax.Array,  # [B, S/sp, Hv]
-    a: jax.Array,  # [B, S/sp, Hv]
-    conv_q: jax.Array,  # [Kc, Hk, Dk]
-    conv_k: jax.Array,  # [Kc, Hk, Dk]
-    conv_v: jax.Array,  # [Kc, Hv, Dv]
-    A_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    norm_weight: jax.Array,  # [Dv]
-    segment_ids: jax.Array,  # [B, S/sp]
-    *,
-    eps: float,
-    chunk_size: int,
-) -> jax.Array:  # [B, S/sp, Hv, Dv]
-    """`gdn_core` under the context mesh's sequence parallelism: the seq <-> heads all-to-all around it
-    (`ulysses_gdn`, the default) or, inside `gdn_sp_mode("state_passing")`, states passed between
-    sequence shards (`gdn_state_passing`). Without a mesh, or at sp = 1, `gdn_core` itself."""
-    args = (q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids)
+def sharded_gdn_core(*args: jax.Array, eps: float, chunk_size: int) -> jax.Array:  # [B, S/sp, Hv, Dv]
+    """`gdn_core`'s 13 arrays, the sequence-long ones as this device's shard [B, S/sp, ...], under the
+    context mesh's sequence parallelism: the seq <-> heads all-to-all around `gdn_core` (`ulysses_gdn`,
+    the default) or, inside `gdn_sp_mode("state_passing")`, states passed between sequence shards
+    (`gdn_state_passing`). Without a mesh, or at sp = 1, `gdn_core` itself."""
     mesh = active_sp_mesh()
     if mesh is not None and current_gdn_mode() == "state_passing":
         return gdn_state_passing(*args, mesh=mesh, eps=eps, chunk_size=chunk_size)
