@@ -143,6 +143,8 @@ def test_config_file_holds_options_and_flags_override_it(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"steps": 3, "data": "d1"}))
     options = parse_options(["--config", str(tmp_path / "run.json")])
     assert options.steps == 3 and options.data == ["d1"]
+    path.write_text("preset: tiny\nscan-layers: false\n")  # YAML's bool for an auto|true|false option
+    assert parse_options(["--config", str(path)]).scan_layers == "false"
 
 
 @pytest.mark.parametrize("text, message", [

@@ -171,6 +171,8 @@ def _check_value(name: str, value: Any, source: str) -> Any:
         return float(value)
     if kind is list and isinstance(value, str):
         return [value]
+    if kind is str and isinstance(value, bool) and "true" in CHOICES.get(name, ()):
+        return str(value).lower()  # YAML's unquoted true / false for an auto|true|false option
     ok = isinstance(value, kind) and not (kind in (int, float) and isinstance(value, bool))
     if kind is list:
         ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
