@@ -157,9 +157,11 @@ def test_tiled_delta_rule_equals_untiled():
         assert_close(a, b, f"d{name}")
 
 
-def test_tiled_gdn_core_equals_untiled():
+@pytest.mark.parametrize("scan", ["auto", "pallas"])  # pallas: the GPU's kernel and its gdn_remat "states"
+def test_tiled_gdn_core_equals_untiled(scan):
     """The whole mixer (conv halo across tile edges, document starts on and next to edges, padding
     across an edge, a partial last tile) tile by tile against one pass, values and all gradients."""
+    from qwen35_jax.layers.chunk_states import gdn_chunk_scan
     from qwen35_jax.layers.gated_deltanet import gdn_core
 
     _, _, _, _, _, seg, _ = delta_rule_inputs(2, 57)
@@ -171,7 +173,7 @@ def test_tiled_gdn_core_equals_untiled():
     args = tuple(jnp.asarray(rng.normal(size=sh).astype(np.float32)) for sh in shapes)
 
     def run(tile, *xs):
-        with sequence_tile(tile):
+        with sequence_tile(tile), gdn_chunk_scan(scan):
             return gdn_core(*xs, seg, eps=1e-6, chunk_size=4)
 
     def loss(tile):
