@@ -36,7 +36,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from qwen35_jax.config import PRESETS
+from qwen35_jax.config import PRESETS, SCAN_LAYERS_FLAGS
 
 # name -> (model settings, batch, sequence); intermediate_size is 3.5 x hidden as in the published 0.8B.
 SMALL = dict(hidden=256, intermediate=896, layers=4, heads=4, kv_heads=2, head_dim=64, gdn_key_heads=4,
@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="our fused log-prob backend, as scripts/train.py's (default auto: Pallas on TPU, XLA elsewhere)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the timed steps, trace one more step of ours with jax.profiler into DIR")
-    p.add_argument("--scan-layers", choices=["auto", "true", "false"], default="auto",
+    p.add_argument("--scan-layers", choices=list(SCAN_LAYERS_FLAGS), default="auto",
                    help="Qwen35Config.scan_layers of our model: the blocks as one lax.scan (true) or one after "
                         "another (false); default auto: false on GPU, true elsewhere")
     p.add_argument("--gdn-remat", default=None,
@@ -113,7 +113,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "keep spinning); ours / transformers: time that stack only, in this process")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
-    args.scan_layers = {"auto": "auto", "true": True, "false": False}[args.scan_layers]
+    args.scan_layers = SCAN_LAYERS_FLAGS[args.scan_layers]
     args.run_ours = args.stack in ("both", "ours")
     args.run_torch = args.stack in ("both", "transformers") and not args.skip_torch
     if args.cores == []:

@@ -25,14 +25,15 @@ entering chunk c:
   Triton kernel: compiled on a GPU, interpreted elsewhere (tests; slow). See `chunk_states_pallas.py`.
 - "auto": "sequential" on CPU, "pallas" on GPU, "associative" elsewhere (TPU).
 
-Both are exact rewritings of the same recurrence; they differ only in float rounding order.
+All three are exact rewritings of the same recurrence; they differ only in float rounding order.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +45,11 @@ GDN_CHUNK_SCANS = ("auto", "sequential", "associative", "pallas")
 _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", default="auto")
 
 # What the GDN mixer keeps for its backward pass (`gated_deltanet.gdn_segment`):
-# - "none": no recompute; autodiff keeps every intermediate it needs, about 450 KB per token and layer
+# - "none": no recompute; autodiff keeps every intermediate it needs, about 230 KB per token and layer
 #   at the 0.8B shapes (16 heads of 128), most of it float32 [tokens, heads, 128]-sized arrays.
 # - "states": the mixer is recomputed in the backward from its inputs, except the chunk states (named
 #   CHUNK_STATES_NAME, [B, n + 1, H, Dk, Dv] float32, 1/L of a token's state per token) which are kept:
-#   the backward repeats the intra-chunk matmuls but not the sequential part. 6x less to keep.
+#   the backward repeats the intra-chunk matmuls but not the sequential part. About 5x less to keep.
 # - "auto": "states" with the Pallas chunk scan, "none" otherwise (the sequential scan on CPU names no
 #   states, so "states" there would rerun the whole scan).
 GDN_REMATS = ("auto", "none", "states")
@@ -79,6 +80,14 @@ def resolve_gdn_remat(name: str | None = None, *, on_backend: bool = True) -> st
     if on_backend and name == "auto":
         return "states" if resolve_gdn_chunk_scan() == "pallas" else "none"
     return name
+
+
+def apply_gdn_remat(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` (a GDN mixer) as `gdn_remat` says: for "states" checkpointed so that only its inputs and the
+    named chunk states are kept for the backward, else unchanged."""
+    if resolve_gdn_remat() == "states":
+        return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES_NAME))
+    return fn
 
 
 def gdn_chunk_scan(name: str | None) -> contextlib.AbstractContextManager[None]:

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.chunk_states import CHUNK_STATES_NAME, resolve_gdn_remat
+from qwen35_jax.layers.chunk_states import apply_gdn_remat
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.gdn_state_passing import current_gdn_mode, gdn_state_passing
@@ -116,10 +116,8 @@ def gdn_segment(
                                               initial_state=initial_state, chunk_size=chunk_size)
         return gated_rms_norm(out.astype(dtype), z, norm_weight, eps), state  # [B, T, Hv, Dv]
 
-    if resolve_gdn_remat() == "states":
-        segment = jax.checkpoint(segment, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES_NAME))
-    return segment(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids, halo,
-                   initial_state)
+    return apply_gdn_remat(segment)(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight,
+                                    segment_ids, halo, initial_state)
 
 
 class DepthwiseConvKernel(nnx.Module):

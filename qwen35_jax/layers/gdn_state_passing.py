@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from qwen35_jax.layers.chunk_states import CHUNK_STATES_NAME, resolve_gdn_remat
+from qwen35_jax.layers.chunk_states import apply_gdn_remat
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.norms import gated_rms_norm
@@ -147,11 +147,9 @@ def gdn_state_passing(
     seq4, seq3, seq2 = P(batch, SP, None, None), P(batch, SP, None), P(batch, SP)
     in_specs = (seq4, seq4, seq4, seq4, seq3, seq3, P(), P(), P(), P(), P(), P(), seq2)
 
+    @apply_gdn_remat
     def local(*args):
         return _local_gdn(*args, eps=eps, chunk_size=chunk_size, sp=sp)
-
-    if resolve_gdn_remat() == "states":  # as gated_deltanet.gdn_segment: keep inputs and chunk states
-        local = jax.checkpoint(local, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES_NAME))
 
     with jax.named_scope(GDN_STATE_SCOPE):
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq4, check_vma=False)(

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35_jax.checkpoint import _config_dict, load_checkpoint
-from qwen35_jax.config import Qwen35Config
+from qwen35_jax.config import SCAN_LAYERS_FLAGS, Qwen35Config
 from qwen35_jax.hf.export import is_lead_process, sync_processes
 from qwen35_jax.hf.load import abstract_model, default_shardings
 from qwen35_jax.kernel_choices import explain_compile_failure, kernel_choices
@@ -107,8 +107,7 @@ def _start_model(options: TrainOptions, mesh: jax.sharding.Mesh) -> tuple[Qwen35
 def _runtime_config(config: Qwen35Config, options: TrainOptions) -> Qwen35Config:
     """The stored config with this run's compute dtype, remat policy and layer loop (none changes the
     params)."""
-    scan = {"auto": "auto", "true": True, "false": False}[options.scan_layers]
-    changes: dict[str, Any] = {"dtype": options.compute_dtype, "scan_layers": scan}
+    changes: dict[str, Any] = {"dtype": options.compute_dtype, "scan_layers": SCAN_LAYERS_FLAGS[options.scan_layers]}
     if options.remat is not None:
         changes["remat"] = options.remat
     return config.replace(**changes)

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from qwen35_jax.config import REMAT_POLICIES
+from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS
 
 CHOICES = {
     "objective": ("sft", "ppo"),
@@ -33,7 +33,7 @@ CHOICES = {
     "long_rows": ("truncate", "split", "drop"),
     "bad_rows": ("skip", "stop"),
     "remat": REMAT_POLICIES,
-    "scan_layers": ("auto", "true", "false"),
+    "scan_layers": tuple(SCAN_LAYERS_FLAGS),
 }
 
 

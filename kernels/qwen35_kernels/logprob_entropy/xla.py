@@ -4,7 +4,8 @@ Forward: for each token block, a loop over vocabulary blocks keeps the online (m
 sum p*(z - max), label logit). Backward (custom VJP): the logits are recomputed tile by tile; the outer
 loop runs over vocabulary blocks so each [D, block_v] slice of dW is accumulated in float32 and written
 once, while dh [T, D] (float32) is accumulated across it. The logit gradient dz is rounded to the
-inputs' dtype before its two matmuls (as the Pallas kernel does), so bf16 inputs run bf16 GEMMs. Nothing of size T * V exists.
+inputs' dtype before its two matmuls (as the Pallas kernel does), so bf16 inputs run bf16 GEMMs.
+Nothing of size T * V exists.
 
 A vocabulary that is not a multiple of block_v is handled without copying the weight: the last block
 starts at V - block_v and masks the columns the previous block already covered.
