@@ -204,6 +204,8 @@ def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
 def train_flops(config, batch: int, seq: int) -> float:
     """Model FLOPs of one train step (forward + backward = 3 x forward, remat recompute not counted):
     6 x matmul parameters x tokens, plus causal attention scores and the chunked delta rule."""
+    import jax
+
     c = config
     d, t = c.hidden_size, batch * seq
     attn = d * c.num_attention_heads * c.head_dim * 3 + 2 * d * c.num_key_value_heads * c.head_dim
@@ -217,7 +219,7 @@ def train_flops(config, batch: int, seq: int) -> float:
     n_gdn = c.num_hidden_layers - n_attn
     params = n_attn * attn + n_gdn * gdn + c.num_hidden_layers * mlp + d * c.vocab_size
     scores = n_attn * 6 * batch * seq * seq * c.num_attention_heads * c.head_dim  # causal: half of 12
-    L = c.gdn_chunk_size  # per token and value head: Gram matrices, the UT solve, intra-chunk, state in/out
+    L = c.gdn_chunk(jax.default_backend())  # per token and value head: Gram matrices, UT solve, intra-chunk, state
     rule = n_gdn * 6 * t * hv * (2 * L * dk + L * (dk + dv) + L * dv + 3 * dk * dv)
     return 6.0 * params * t + scores + rule
 
@@ -495,8 +497,10 @@ def bench_breakdown(config, batch: int, seq: int, steps: int) -> list[dict]:
     g = jnp.full((B, S, Hv), -0.05, jnp.float32)
     beta = jnp.full((B, S, Hv), 0.5, jnp.float32)
 
+    chunk = config.gdn_chunk(jax.default_backend())
+
     def rule(q, k, v, g, beta):
-        return jnp.sum(chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=config.gdn_chunk_size)[0])
+        return jnp.sum(chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk)[0])
 
     time_piece("    delta rule", jit_cpu_tuned(rule), jit_cpu_tuned(jax.grad(rule, argnums=(0, 1, 2, 3, 4))), (q, k, v, g, beta))
 

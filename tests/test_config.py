@@ -195,3 +195,16 @@ def test_scan_layers_setting_and_its_runtime_choice():
     for flag, want in (("auto", "auto"), ("true", True), ("false", False)):
         options = TrainOptions(scan_layers=flag, compute_dtype="float32")
         assert _runtime_config(cfg, options).scan_layers == want
+
+
+def test_gdn_chunk_size_auto_by_backend_and_head_dim():
+    cfg = Qwen35Config.preset("tiny")
+    assert cfg.gdn_chunk_size == "auto"
+    small, large = cfg.replace(linear_key_head_dim=64, linear_value_head_dim=64), Qwen35Config.preset("0.8B")
+    assert small.gdn_chunk("cpu") == 32 and small.gdn_chunk("gpu") == 64 and small.gdn_chunk("tpu") == 64
+    assert large.linear_key_head_dim == 128 and large.gdn_chunk("cpu") == 64
+    assert cfg.replace(linear_value_head_dim=128).gdn_chunk("cpu") == 64  # either head dim above 64
+    assert cfg.replace(gdn_chunk_size=16).gdn_chunk("gpu") == 16
+    for bad in (0, -4, "32", True):
+        with pytest.raises(ValueError, match="gdn_chunk_size must be >= 1 or 'auto'"):
+            cfg.replace(gdn_chunk_size=bad)

@@ -184,5 +184,6 @@ class GatedDeltaNet(nnx.Module):
 
         out = sharded_gdn_core(q, k, v, z, b, a, conv_q, conv_k, conv_v, self.A_log[...], self.dt_bias[...],
                                self.norm.weight[...], segment_ids,
-                               eps=self.config.rms_norm_eps, chunk_size=self.config.gdn_chunk_size)  # [B, S, Hv, Dv]
+                               eps=self.config.rms_norm_eps,
+                               chunk_size=self.config.gdn_chunk(jax.default_backend()))  # [B, S, Hv, Dv]
         return self.out_proj(out.reshape(B, S, Hv * Dv))

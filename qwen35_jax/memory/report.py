@@ -39,7 +39,7 @@ def run(*, preset: str, mesh: str, device_memory: str, seq: int | None = None, r
         raise ValueError(f"--mesh {mesh} needs {fsdp * sp} devices, there are {jax.device_count()}")
     config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
     say = log or (lambda _: None)
-    granule = sp * config.gdn_chunk_size
+    granule = sp * config.gdn_chunk(jax.default_backend())
 
     def measure(s: int) -> StepMemory:
         return step_memory(config, s, (fsdp, sp), gdn_mode=gdn_mode, tile=tile)
