@@ -14,7 +14,7 @@ from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import attention_core
-from qwen35_jax.layers.attention_xla import MAX_KEY_STARTS, first_visible_key, key_starts
+from qwen35_jax.layers.attention_xla import MAX_KEY_STARTS, default_block_q, first_visible_key, key_starts
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.mlp import MLP
 
@@ -81,6 +81,11 @@ def test_key_starts_are_whole_tiles_up_to_the_block_and_at_most_the_cap():
     long = key_starts(100 * 16, 16)  # 101 tiles: every 13th
     assert len(long) <= MAX_KEY_STARTS and long[0] == 0 and long[-1] <= 100 * 16
     assert all(b - a == 13 * 16 for a, b in zip(long, long[1:]))
+
+
+def test_default_block_is_a_sixteenth_of_the_row_within_128_to_512():
+    assert [default_block_q(s) for s in (1, 70, 512, 2048, 3000, 4096, 8192, 65536)] == [
+        128, 128, 128, 128, 256, 256, 512, 512]
 
 
 def _xla_grad(seg: np.ndarray, w: np.ndarray, block_q: int):

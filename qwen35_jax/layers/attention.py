@@ -16,15 +16,15 @@ from qwen35_jax.parallel.ulysses import ulysses_attention
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                   block_q: int = 512, implementation: str | None = None) -> jax.Array:
+                   block_q: int | None = None, implementation: str | None = None) -> jax.Array:
     """Causal softmax attention that never crosses documents; softmax in float32.
 
     q: [B, S, H, Dh] (normed, rotated), k/v: [B, S, K, Dh] with H % K == 0, segment_ids: [B, S]
     -> [B, S, H, Dh]. Scale 1/sqrt(Dh). Query head h reads kv head h // (H // K).
     `implementation` (None: the `attention_implementation` context, default "auto") picks a flash
     kernel on GPU/TPU (`attention_kernels.py`); the XLA core (`attention_xla.py`) runs on CPU and is
-    the reference. It runs block_q queries at a time, each block against only the
-    keys up to its last query (the later ones are all masked: about half the work of every score
+    the reference. It runs block_q queries at a time (None: `default_block_q`), each block against
+    only the keys up to its last query (the later ones are all masked: about half the work of every score
     matrix is skipped). Each block is a flash-style custom VJP that saves its output and log-sum-exp,
     not its [block_q, S] probabilities: peak memory O(block_q * S) per head instead of O(S^2). Each
     row's softmax still sees every key it may attend to, so the result does not depend on block_q.
