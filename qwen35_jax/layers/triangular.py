@@ -3,7 +3,10 @@
 The inverse is built by block doubling, with no loop over rows: the inverse of a unit lower-triangular
 matrix [[P, 0], [C, Q]] is [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]], so starting from the 1 x 1 diagonal
 blocks (all 1), log2(L) rounds of two batched matmuls each give the inverses of the diagonal blocks
-of size 2, 4, ..., L. Solving (I + N) X = R is then one matmul, X = (I + N)^-1 R. All of it is
+of size 2, 4, ..., L. The rounds on blocks of at most SMALL_BLOCK rows are broadcast products summed
+over the block instead of matmuls: XLA fuses them into one elementwise pass, where batched matmuls of
+1 x 1 to 4 x 4 blocks ran element by element (the forward at L = 32 on CPU: 2.5 -> 0.9 ms for 512
+matrices). Solving (I + N) X = R is then one matmul, X = (I + N)^-1 R. All of it is
 float32 at `Precision.HIGHEST` on every backend (the systems are small; their accuracy bounds the
 delta rule's).
 
@@ -20,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 _HI = jax.lax.Precision.HIGHEST
+SMALL_BLOCK = 4  # doubling rounds on blocks up to this size are elementwise (see the module docstring)
 
 
 def _diagonal_blocks(n: jax.Array, m: int) -> jax.Array:
@@ -30,6 +34,11 @@ def _diagonal_blocks(n: jax.Array, m: int) -> jax.Array:
     return jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [..., nb, m, m]
 
 
+def _small_matmul(a: jax.Array, b: jax.Array) -> jax.Array:
+    """[..., m, m] @ [..., m, m] for tiny m, as a broadcast product summed over the contraction (float32)."""
+    return jnp.sum(a[..., :, :, None] * b[..., None, :, :], axis=-2)
+
+
 def _inverse_by_doubling(n: jax.Array) -> jax.Array:
     """(I + n)^-1 for n [..., L, L] strictly lower, L a power of two -> [..., L, L] unit lower."""
     *batch, L, _ = n.shape
@@ -38,7 +47,10 @@ def _inverse_by_doubling(n: jax.Array) -> jax.Array:
     while m < L:
         upper, lower = inv[..., 0::2, :, :], inv[..., 1::2, :, :]  # [..., L/2m, m, m] each
         c = _diagonal_blocks(n, m)
-        corner = -jnp.matmul(jnp.matmul(lower, c, precision=_HI), upper, precision=_HI)
+        if m <= SMALL_BLOCK:
+            corner = -_small_matmul(_small_matmul(lower, c), upper)
+        else:
+            corner = -jnp.matmul(jnp.matmul(lower, c, precision=_HI), upper, precision=_HI)
         zeros = jnp.zeros_like(upper)
         inv = jnp.concatenate([jnp.concatenate([upper, zeros], axis=-1),
                                jnp.concatenate([corner, lower], axis=-1)], axis=-2)  # [..., L/2m, 2m, 2m]
