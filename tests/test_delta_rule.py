@@ -13,7 +13,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from float64_reference import torch_float64
-from qwen35_jax.layers.chunk_states import gdn_chunk_scan, resolve_gdn_chunk_scan
+from qwen35_jax.layers.chunk_states import UNROLL_CHUNKS, gdn_chunk_scan, resolve_gdn_chunk_scan
 from qwen35_jax.layers.chunk_states_pallas import pallas_entering_states
 from qwen35_jax.layers.delta_rule import (
     chunked_gated_delta_rule,
@@ -69,13 +69,15 @@ def recurrence_float64(q, k, v, g, beta, segment_ids, initial_state):
 
 
 @pytest.mark.parametrize("scan", ["sequential", "associative", "pallas"])
-@pytest.mark.parametrize("S, chunk_size", [(200, 16), (64, 64), (130, 64)])
+@pytest.mark.parametrize("S, chunk_size", [(200, 16), (64, 64), (130, 64), (300, 16)])
 def test_chunk_scans_match_float64_recurrence(scan, S, chunk_size):
-    """Both ways of carrying the state across chunks (13, 1 and 3 chunks: odd counts and a single one),
+    """Every way of carrying the state across chunks (13, 1, 3 and 19 chunks: odd counts, a single one,
+    and more than UNROLL_CHUNKS, where "sequential" is a lax.scan instead of a written-out loop),
     with packed documents, padding inside and at the end of a row, an id that comes back after padding
     (a new document) and an initial state. float32 against the float64 truth: outputs and states are
     O(1) here and both scans land within 8e-7 of it; 5e-6 leaves room for another CPU's float32 matmul
     rounding, not for a wrong reset or a lost chunk (errors of 1e-2 and more)."""
+    assert -(-300 // 16) > UNROLL_CHUNKS >= -(-200 // 16)
     q, k, v, g, beta, state = _inputs(S, seed=S + chunk_size)
     q = q * DK**-0.5
     rng = np.random.default_rng(S)
@@ -136,6 +138,7 @@ def test_chunked_equals_recurrent(S, chunk_size, with_state):
 
 @pytest.mark.parametrize("S, chunk_size", [(7, 16), (70, 16), (200, 64), (200, 16)])
 def test_chunked_equals_recurrent_random_documents(S, chunk_size):
+    assert -(-300 // 16) > UNROLL_CHUNKS >= -(-200 // 16)
     q, k, v, g, beta, state = _inputs(S, seed=S + chunk_size)
     q = q * DK**-0.5
     rng = np.random.default_rng(S)
@@ -202,9 +205,12 @@ def test_packed_documents_equal_separate_runs(fn):
         _close(final[b], s_doc[0])  # the last document's state; trailing padding is a no-op
 
 
-@pytest.mark.parametrize("scan", ["sequential", "associative", "pallas"])
-def test_gradients_chunked_equal_recurrent(scan):
+# chunks of 2: 20 chunks, more than UNROLL_CHUNKS, so "sequential" is a lax.scan (else written out)
+@pytest.mark.parametrize("scan, chunk_size", [("sequential", 16), ("sequential", 2), ("associative", 16),
+                                              ("pallas", 16)])
+def test_gradients_chunked_equal_recurrent(scan, chunk_size):
     S = 40
+    assert -(-S // 2) > UNROLL_CHUNKS >= -(-S // 16)
     q, k, v, g, beta, state = _inputs(S, seed=3)
     q = q * DK**-0.5
     seg = np.ones((B, S), np.int32)
@@ -217,7 +223,7 @@ def test_gradients_chunked_equal_recurrent(scan):
         o, s = fn(*args[:5], segment_ids=jnp.asarray(seg), initial_state=args[5])
         return jnp.sum(o * w) + jnp.sum(s * ws)
 
-    chunked = lambda *a, **kw: chunked_gated_delta_rule(*a, chunk_size=16, chunk_scan=scan, **kw)  # noqa: E731
+    chunked = lambda *a, **kw: chunked_gated_delta_rule(*a, chunk_size=chunk_size, chunk_scan=scan, **kw)  # noqa: E731
     args = (q, k, v, g, beta, state)
     ref = jax.grad(lambda *a: loss(recurrent_gated_delta_rule, *a), argnums=range(6))(*args)
     got = jax.grad(lambda *a: loss(chunked, *a), argnums=range(6))(*args)
