@@ -11,8 +11,9 @@ entering chunk c:
     S_c+1   = d_c S_c + k_c^T v_c  =  A_c S_c + b_c,   A_c = d_c I - k_c^T w_c [Dk, Dk],  b_c = k_c^T u_c
 
 - "sequential": `lax.scan` over the chunks, four thin matmuls per step (written out instead of a loop
-  up to UNROLL_CHUNKS chunks). Least arithmetic; the right choice on CPU. On a GPU every step is a handful of tiny kernels (13 forward, 21 backward): at
-  S = 8192 (128 chunks) the 0.8B train step launched 78k of them, 37% of its time on an H200.
+  up to UNROLL_CHUNKS chunks). Least arithmetic; the right choice on CPU. On a GPU every step is a
+  handful of tiny kernels (13 forward, 21 backward): at S = 8192 (128 chunks) the 0.8B train step
+  launched 78k of them, 37% of its time on an H200.
 - "associative": the affine maps (A_c, b_c) compose associatively, (A2, b2) after (A1, b1) =
   (A2 A1, A2 b1 + b2), so `lax.associative_scan` gives every prefix in O(log n) rounds of batched
   [Dk, Dk] matmuls; then all v_c and o_c at once. The [Dk, Dk] products make it about 4x the state
@@ -125,7 +126,7 @@ def _mm(spec: str, a: jax.Array, b: jax.Array, prec: jax.lax.Precision | None) -
 
 # Up to this many chunks the sequential scan is written out: no while loop, and a backward of
 # straight-line code (the delta rule's fwd+bwd at B x S = 4 x 512, chunks of 32, head dim 32 on CPU:
-# 37 -> 25 ms). Its compile time grows with the chunks (the same rule's gradient: 1.4 -> 2.8 s at 16
+# 31 -> 21.5 ms). Its compile time grows with the chunks (the same rule's gradient: 1.4 -> 2.8 s at 16
 # chunks, 1.5 -> 17 s at 128), hence the cap; longer sequences run the `lax.scan`.
 UNROLL_CHUNKS = 16
 
