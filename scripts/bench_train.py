@@ -19,7 +19,8 @@ per second: above 1 means we are faster.
 (`chunked_gated_delta_rule` vs transformers' `torch_chunk_gated_delta_rule`, H = 8, d = 128) and the
 causal document-masked attention core (`attention_core` vs `scaled_dot_product_attention` with the
 same boolean mask, 4 query / 2 kv heads of 64, 2 documents). --peak-tflops adds the model FLOPs
-utilisation of our step (`train_flops`: 6 x matmul parameters x tokens + attention scores + delta rule).
+utilisation of our step, with the model FLOPs the trainer logs (`qwen35_jax.train.flops.train_flops`:
+every matmul of the forward pass, attention scores over the full S^2, times 3).
 Each stack runs with what its users get by default: ours restarts with
 GLIBC_TUNABLES=glibc.malloc.hugetlb=1 as scripts/train.py does (huge pages for XLA:CPU's scratch
 buffers, `qwen35_jax/host_memory.py`), transformers runs in the environment it was given. Launch with
@@ -105,12 +106,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="also time our pieces alone (each layer kind, mixer, MLP, delta rule, loss, model "
                         "body) on the first config's shapes")
     p.add_argument("--peak-tflops", type=float, default=None,
-                   help="the device's peak rate: adds model FLOPs utilisation (MFU) of our step")
+                   help="the device's peak TFLOP/s for our step's model FLOPs utilisation (MFU); default: the "
+                        "trainer's table for known GPUs/TPUs (qwen35_jax.train.flops), none on CPU")
     p.add_argument("--skip-torch", action="store_true", help="time ours only (no ratios)")
     p.add_argument("--stack", choices=["both", "ours", "transformers"], default="both",
                    help="both (default): each stack in a child process of its own, ours first (in one "
                         "process the stack timed second runs up to 2x slower: the other's CPU threads "
                         "keep spinning); ours / transformers: time that stack only, in this process")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="with --stack both: time the two stacks' child processes this many times in turn "
+                        "(ours, theirs, ours, theirs, ...) and report each row's median over rounds and every "
+                        "round's ratio (default 1)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     args.scan_layers = SCAN_LAYERS_FLAGS[args.scan_layers]
@@ -120,11 +126,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.cores = ["gdn", "attention"]
     if args.cores_only and not args.cores:
         p.error("--cores-only needs --cores")
-    for name in ("steps", "batch", "seq", "core_seq", "core_heads", "core_dim",
+    for name in ("steps", "rounds", "batch", "seq", "core_seq", "core_heads", "core_dim",
                  *(k for k in SMALL if k != "mrope")):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.rounds > 1 and not (args.stack == "both" and args.run_torch):
+        p.error("--rounds > 1 alternates both stacks: it needs --stack both without --skip-torch")
     if args.dtype != "float32" and not args.skip_torch:
         p.error("--dtype bfloat16 needs --skip-torch (the transformers side runs float32)")
     if args.preset is not None and args.preset not in PRESETS:
@@ -199,29 +207,6 @@ def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
         config = build_config(settings, remat, args.dtype).replace(scan_layers=args.scan_layers)
         out.append((name, config, batch, seq))
     return out
-
-
-def train_flops(config, batch: int, seq: int) -> float:
-    """Model FLOPs of one train step (forward + backward = 3 x forward, remat recompute not counted):
-    6 x matmul parameters x tokens, plus causal attention scores and the chunked delta rule."""
-    import jax
-
-    c = config
-    d, t = c.hidden_size, batch * seq
-    attn = d * c.num_attention_heads * c.head_dim * 3 + 2 * d * c.num_key_value_heads * c.head_dim
-    hk, hv, dk, dv = c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim, c.linear_value_head_dim
-    gdn = d * (2 * hk * dk + hv * dv) + d * hv * dv + 2 * d * hv + hv * dv * d
-    if c.is_moe:
-        mlp = 3 * d * (c.num_experts_per_tok * c.moe_intermediate_size + c.shared_expert_intermediate_size) + d * c.num_experts
-    else:
-        mlp = 3 * d * c.intermediate_size
-    n_attn = sum(k == "full_attention" for k in c.layer_types)
-    n_gdn = c.num_hidden_layers - n_attn
-    params = n_attn * attn + n_gdn * gdn + c.num_hidden_layers * mlp + d * c.vocab_size
-    scores = n_attn * 6 * batch * seq * seq * c.num_attention_heads * c.head_dim  # causal: half of 12
-    L = c.gdn_chunk(jax.default_backend())  # per token and value head: Gram matrices, UT solve, intra-chunk, state
-    rule = n_gdn * 6 * t * hv * (2 * L * dk + L * (dk + dv) + L * dv + 3 * dk * dv)
-    return 6.0 * params * t + scores + rule
 
 
 def ours_step(config, tokens, attention: str = "auto", logprob_backend: str = "auto") -> Callable[[], None]:
@@ -299,7 +284,10 @@ def time_side_by_side(fns: dict[str, Callable[[], None]], steps: int) -> dict[st
 
 
 def bench_config(name: str, config, batch: int, seq: int, args: argparse.Namespace) -> dict:
+    import jax
     import numpy as np
+
+    from qwen35_jax.train.flops import peak_tflops, train_flops
 
     tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, seq))
     fns = {"ours": ours_step(config, tokens, args.attention, args.logprob_backend)} if args.run_ours else {}
@@ -313,15 +301,14 @@ def bench_config(name: str, config, batch: int, seq: int, args: argparse.Namespa
     if "ours" in fns:
         row["ours"].update(attention=args.attention, logprob_backend=args.logprob_backend)
         if args.profile:  # one more step, traced; the trace lands in DIR/<name>/plugins/profile/<run>/
-            import jax
-
             try:
                 with jax.profiler.trace(os.path.join(args.profile, name)):
                     fns["ours"]()
             except Exception as e:  # noqa: BLE001 - a profiler that cannot start must not lose the timings
                 print(f"bench_train: no profile ({type(e).__name__}: {e})", file=sys.stderr)
-    if args.peak_tflops and "ours" in row:
-        row["ours"]["mfu"] = row["model_tflops_per_step"] / row["ours"]["median_s"] / args.peak_tflops
+    peak = args.peak_tflops or peak_tflops(jax.devices()[0])
+    if peak and "ours" in row:
+        row["ours"]["mfu"] = row["model_tflops_per_step"] / row["ours"]["median_s"] / peak
     return row
 
 
@@ -540,7 +527,9 @@ def table(rows: list[dict]) -> str:
         for name in names:
             ours = r[name]["median_s"]
             tok = r["batch"] * r["seq"] / ours
-            ratio = f"{theirs / ours:.2f}x" if theirs else "-"
+            ratio = f"{r[name].get('ratio') or theirs / ours:.2f}x" if theirs else "-"
+            if len(r[name].get("round_ratios", [])) > 1:
+                ratio += " (rounds: " + ", ".join(f"{x:.2f}" for x in r[name]["round_ratios"]) + ")"
             extra = f" (MFU {r[name]['mfu']:.1%})" if "mfu" in r[name] else ""
             label = r["config"] + name[4:] + (f", remat {r['remat']}" if "remat" in r else "")
             lines.append(f"| {label} | {r['batch']} x {r['seq']} | {theirs_s} | {ours:.3f} | {tok:,.0f}{extra} | "
@@ -548,24 +537,52 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_isolated(argv: list[str]) -> tuple[list[dict], list[dict] | None, dict[str, str | None]]:
-    """Every row timed in two child processes, `--stack ours` then `--stack transformers`, merged;
-    and each child's GLIBC_TUNABLES."""
+def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] | None, dict[str, str | None]]:
+    """Every row timed in child processes, `--stack ours` then `--stack transformers`, `rounds` times
+    over, merged; and each child's GLIBC_TUNABLES. With several rounds a row keeps each round's
+    ratio and reports the median over rounds: the machine's speed drifts within minutes, and
+    alternating the stacks puts both through the same drift."""
     import subprocess
     import tempfile
 
-    results = {}
+    per_round = []
     with tempfile.TemporaryDirectory() as tmp:
-        for stack in ("ours", "transformers"):
-            out = os.path.join(tmp, f"{stack}.json")
-            cmd = [sys.executable, os.path.abspath(__file__), *argv, "--stack", stack, "--json", out]
-            if subprocess.run(cmd).returncode != 0:  # the child printed its error
-                raise SystemExit(f"bench_train: the {stack} child process failed")
-            with open(out) as f:
-                results[stack] = json.load(f)
-    rows = [{**theirs, **ours} for ours, theirs in zip(results["ours"]["runs"], results["transformers"]["runs"])]
-    tunables = {stack: results[stack]["glibc_tunables"][stack] for stack in results}
-    return rows, results["ours"]["breakdown"], tunables
+        for r in range(rounds):
+            results = {}
+            for stack in ("ours", "transformers"):
+                out = os.path.join(tmp, f"{stack}{r}.json")
+                cmd = [sys.executable, os.path.abspath(__file__), *argv, "--stack", stack, "--rounds", "1",
+                       "--json", out]
+                if subprocess.run(cmd).returncode != 0:  # the child printed its error
+                    raise SystemExit(f"bench_train: the {stack} child process failed")
+                with open(out) as f:
+                    results[stack] = json.load(f)
+            per_round.append(results)
+    by_round = [[{**theirs, **ours} for ours, theirs in zip(res["ours"]["runs"], res["transformers"]["runs"])]
+                for res in per_round]
+    rows = [merge_rounds(list(row_rounds)) for row_rounds in zip(*by_round)]
+    tunables = {stack: per_round[0][stack]["glibc_tunables"][stack] for stack in per_round[0]}
+    return rows, per_round[0]["ours"]["breakdown"], tunables
+
+
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One row from its rounds: each stack's median_s is the median of the rounds' medians, min_s and
+    max_s the extremes over all of them; each variant of ours gains `round_ratios`, theirs / ours per
+    round, and `ratio`, their median (paired by round, so drift between rounds cancels)."""
+    if len(rounds) == 1:
+        return rounds[0]
+    row = json.loads(json.dumps(rounds[0]))
+    stacks = [k for k in row if k == "transformers" or k.startswith("ours")]
+    for stack in stacks:
+        row[stack]["median_s"] = statistics.median(r[stack]["median_s"] for r in rounds)
+        row[stack]["min_s"] = min(r[stack]["min_s"] for r in rounds)
+        row[stack]["max_s"] = max(r[stack]["max_s"] for r in rounds)
+    if "transformers" in row:
+        for stack in stacks:
+            if stack.startswith("ours"):
+                row[stack]["round_ratios"] = [r["transformers"]["median_s"] / r[stack]["median_s"] for r in rounds]
+                row[stack]["ratio"] = statistics.median(row[stack]["round_ratios"])
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -578,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, breakdown = [], None
     tunables = {"ours" if not args.run_torch else args.stack: os.environ.get("GLIBC_TUNABLES")}
     if args.stack == "both" and args.run_torch:
-        rows, breakdown, tunables = run_isolated(sys.argv[1:] if argv is None else argv)
+        rows, breakdown, tunables = run_isolated(sys.argv[1:] if argv is None else argv, args.rounds)
     else:
         with gdn_precision(args.gdn_precision), gdn_chunk_scan(args.gdn_chunk_scan), gdn_remat(args.gdn_remat):
             planned = [] if args.cores_only else runs(args)
@@ -599,7 +616,8 @@ def main(argv: list[str] | None = None) -> int:
     malloc = ", ".join(f"{stack} {value or 'unset'}" for stack, value in tunables.items())
     print(f"\njax {jax.__version__} ({jax.default_backend()}){threads}, {os.cpu_count()} CPUs, GLIBC_TUNABLES: "
           f"{malloc}; load average "
-          f"{load:.1f}; median of {args.steps} steps after a warm-up")
+          f"{load:.1f}; median of {args.steps} steps after a warm-up"
+          + (f", median over {args.rounds} rounds of both stacks" if args.rounds > 1 and args.run_torch else ""))
     print(table(rows))
     if breakdown:
         print("\n| piece | fwd s | fwd+bwd s | bwd / fwd |\n| --- | --- | --- | --- |")
