@@ -204,10 +204,29 @@ def test_packed_documents_equal_separate_runs(fn):
         _close(final[b], s_doc[0])  # the last document's state; trailing padding is a no-op
 
 
+def recurrence_jnp(q, k, v, g, beta, segment_ids, initial_state):
+    """`recurrence_float64` in jnp, so jax.grad differentiates it (run under jax.enable_x64 for float64)."""
+    hk, hv = q.shape[2], v.shape[2]
+    q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q, k))  # [B, S, Hv, Dk]
+    st, outs = initial_state, []
+    for t in range(q.shape[1]):
+        if t > 0:  # a new document starts from a zero state; padding keeps the state
+            starts = (segment_ids[:, t] != segment_ids[:, t - 1]) & (segment_ids[:, t] != 0)
+            st = jnp.where(starts[:, None, None, None], 0.0, st)
+        decayed = st * jnp.exp(g[:, t])[..., None, None]
+        err = v[:, t] - jnp.einsum("bhkv,bhk->bhv", decayed, k[:, t])
+        new = decayed + jnp.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * err)
+        valid = (segment_ids[:, t] != 0)[:, None, None]  # padding: a no-op that outputs zeros
+        outs.append(jnp.where(valid, jnp.einsum("bhkv,bhk->bhv", new, q[:, t]), 0.0))
+        st = jnp.where(valid[..., None], new, st)
+    return jnp.stack(outs, axis=1), st
+
+
 # chunks of 2: 20 chunks, more than UNROLL_CHUNKS, so "sequential" is a lax.scan (else written out)
 @pytest.mark.parametrize("scan, chunk_size", [("sequential", 16), ("sequential", 2), ("associative", 16),
                                               ("pallas", 16)])
-def test_gradients_chunked_equal_recurrent(scan, chunk_size):
+def test_gradients_match_float64_recurrence(scan, chunk_size):
+    """Gradients of the float32 chunked rule against jax.grad of the per-token recurrence in float64."""
     S = 40
     assert -(-S // 2) > UNROLL_CHUNKS >= -(-S // 16)
     q, k, v, g, beta, state = _inputs(S, seed=3)
@@ -215,22 +234,26 @@ def test_gradients_chunked_equal_recurrent(scan, chunk_size):
     seg = np.ones((B, S), np.int32)
     seg[0, 13:] = 2
     seg[1, 35:] = 0
-    w = np.random.default_rng(4).normal(size=(B, S, HV, DV)).astype(np.float32)
-    ws = np.random.default_rng(5).normal(size=(B, HV, DK, DV)).astype(np.float32)
+    w = np.random.default_rng(4).normal(size=(B, S, HV, DV))
+    ws = np.random.default_rng(5).normal(size=(B, HV, DK, DV))
 
     def loss(fn, *args):
         o, s = fn(*args[:5], segment_ids=jnp.asarray(seg), initial_state=args[5])
         return jnp.sum(o * w) + jnp.sum(s * ws)
 
-    chunked = lambda *a, **kw: chunked_gated_delta_rule(*a, chunk_size=chunk_size, chunk_scan=scan, **kw)  # noqa: E731
     args = (q, k, v, g, beta, state)
-    ref = jax.grad(lambda *a: loss(recurrent_gated_delta_rule, *a), argnums=range(6))(*args)
+    with jax.enable_x64(True):
+        ref = jax.grad(lambda *a: loss(recurrence_jnp, *a), argnums=range(6))(*(x.astype(np.float64) for x in args))
+        ref = [np.asarray(r) for r in ref]
+    assert all(r.dtype == np.float64 for r in ref)
+    chunked = lambda *a, **kw: chunked_gated_delta_rule(*a, chunk_size=chunk_size, chunk_scan=scan, **kw)  # noqa: E731
     got = jax.grad(lambda *a: loss(chunked, *a), argnums=range(6))(*args)
+    # float32 gradients against the float64 truth: measured at most 2.3e-7 of each gradient's largest
+    # entry (every scan, AMD EPYC); 2e-6 leaves 8x headroom and still fails a dropped term or reset.
     for name, r, c in zip("q k v g beta initial_state".split(), ref, got):
-        r, c = np.asarray(r), np.asarray(c)
         assert np.abs(r).max() > 0, name
-        err = np.abs(r - c).max() / np.abs(r).max()
-        assert err < 1e-4, f"{name}: relative error {err}"
+        err = np.abs(np.asarray(c, np.float64) - r).max() / np.abs(r).max()
+        assert err < 2e-6, f"{name}: relative error {err}"
 
 
 def test_bad_shapes_are_named():
