@@ -37,3 +37,34 @@ def test_unknown_option_falls_back_to_defaults(monkeypatch):
         assert xla_options.compiler_options() == {}
     finally:
         xla_options._cpu_accepts_options.cache_clear()
+
+
+def _stack_loss(ws: list[tuple[jax.Array, jax.Array]], x: jax.Array, remat: bool) -> jax.Array:
+    """Eight residual tanh-MLP layers on x [T, D], each checkpointed when `remat`."""
+    layer = lambda x, w1, w2: x + jnp.tanh(x @ w1) @ w2  # noqa: E731
+    layer = jax.checkpoint(layer) if remat else layer
+    for w1, w2 in ws:
+        x = layer(x, w1, w2)
+    return jnp.sum(x * x)
+
+
+def test_remat_saves_memory_on_cpu_with_the_same_gradients():
+    """Under our options XLA:CPU keeps jax.checkpoint's recomputation (without them it merged the
+    recomputed forward into the saved one, and a checkpointed step needed what an unchecked one did)."""
+    rng = np.random.default_rng(0)
+    ws = [(rng.normal(size=(64, 256)).astype(np.float32) * 0.1, rng.normal(size=(256, 64)).astype(np.float32) * 0.1)
+          for _ in range(8)]
+    x = rng.normal(size=(1024, 64)).astype(np.float32)
+    compiled = {remat: jax.jit(jax.grad(lambda ws, x, remat=remat: _stack_loss(ws, x, remat)),
+                               compiler_options=xla_options.compiler_options()).lower(ws, x).compile()
+                for remat in (False, True)}
+    saved = {remat: c.memory_analysis().temp_size_in_bytes for remat, c in compiled.items()}
+    # without remat every layer keeps its [1024, 256] tanh output (1 MiB each); with it only the inputs
+    assert saved[True] < 0.6 * saved[False], saved
+    with jax.enable_x64(True):
+        truth = jax.grad(lambda ws, x: _stack_loss(ws, x, False))(*jax.tree.map(lambda a: a.astype(np.float64), (ws, x)))
+    # float32 against float64 through 8 layers of 64- and 256-term dots: measured 6.1e-7 of the largest entry
+    for remat, c in compiled.items():
+        for got, want in zip(jax.tree.leaves(c(ws, x)), jax.tree.leaves(truth)):
+            want = np.asarray(want)
+            assert np.abs(np.asarray(got, np.float64) - want).max() < 1e-4 * np.abs(want).max(), remat
