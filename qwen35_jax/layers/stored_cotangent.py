@@ -6,7 +6,8 @@ elementwise chain of the layers after it (L2-norm and SiLU backward, and transpo
 delta rule's chunked layout), every tap recomputes that chain. On the 1 x 2048-token, 6144-channel
 conv of a hidden-1024 GatedDeltaNet layer, the fused conv-input gradient took 110 ms on CPU.
 
-`jax.lax.optimization_barrier` does not stop this: XLA:CPU removes barriers before fusing.
+`jax.lax.optimization_barrier` stops this only under our compiler options (`xla_options`): by
+default XLA:CPU removes barriers before fusing, and a user's own `jax.jit` has the defaults.
 `materialized` routes the gradient through a reduction instead, which XLA:CPU does not fuse into its
 readers: the sum over a new leading axis of [g, 0], which is g exactly, for one extra pass over the
 gradient. It made the hidden-1024 train step of `scripts/bench_train.py` 6.7% faster (4 x 512
