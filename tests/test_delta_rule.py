@@ -45,27 +45,31 @@ def _close(a, b, atol=1e-5):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=atol, rtol=0)
 
 
+def recurrence_jnp(q, k, v, g, beta, segment_ids, initial_state):
+    """The per-token rule of the module docstring, token by token in jnp (so jax.grad differentiates it;
+    under jax.enable_x64 with float64 inputs it is the float64 truth): [B, S, Hv, Dv] outputs, final state."""
+    hk, hv = q.shape[2], v.shape[2]
+    q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q, k))  # [B, S, Hv, Dk]
+    st, outs = initial_state, []
+    for t in range(q.shape[1]):
+        if t > 0:  # a new document starts from a zero state; padding keeps the state
+            starts = (segment_ids[:, t] != segment_ids[:, t - 1]) & (segment_ids[:, t] != 0)
+            st = jnp.where(starts[:, None, None, None], 0.0, st)
+        decayed = st * jnp.exp(g[:, t])[..., None, None]
+        err = v[:, t] - jnp.einsum("bhkv,bhk->bhv", decayed, k[:, t])
+        new = decayed + jnp.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * err)
+        valid = (segment_ids[:, t] != 0)[:, None, None]  # padding: a no-op that outputs zeros
+        outs.append(jnp.where(valid, jnp.einsum("bhkv,bhk->bhv", new, q[:, t]), 0.0))
+        st = jnp.where(valid[..., None], new, st)
+    return jnp.stack(outs, axis=1), st
+
+
 def recurrence_float64(q, k, v, g, beta, segment_ids, initial_state):
-    """The per-token rule of the module docstring in float64 NumPy: [B, S, Hv, Dv] outputs, final state."""
-    q, k, v, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, g, beta))
-    b_, s_, hk, dk = q.shape
-    hv, dv = v.shape[2:]
-    out, final = np.zeros((b_, s_, hv, dv)), np.asarray(initial_state, np.float64).copy()
-    for b in range(b_):
-        st, prev = final[b], segment_ids[b, 0]
-        for t in range(s_):
-            starts, prev = t > 0 and segment_ids[b, t] != prev, segment_ids[b, t]
-            if segment_ids[b, t] == 0:  # padding: a no-op that outputs zeros
-                continue
-            if starts:
-                st = np.zeros_like(st)
-            for h in range(hv):
-                kt, qt = k[b, t, h // (hv // hk)], q[b, t, h // (hv // hk)]
-                st[h] = st[h] * np.exp(g[b, t, h])
-                st[h] += np.outer(kt, beta[b, t, h] * (v[b, t, h] - st[h].T @ kt))
-                out[b, t, h] = st[h].T @ qt
-        final[b] = st
-    return out, final
+    """`recurrence_jnp` in float64, as NumPy arrays."""
+    with jax.enable_x64(True):
+        args = (jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, g, beta))
+        out, final = recurrence_jnp(*args, jnp.asarray(segment_ids), jnp.asarray(np.asarray(initial_state, np.float64)))
+        return np.asarray(out), np.asarray(final)
 
 
 @pytest.mark.parametrize("scan", ["sequential", "associative", "pallas"])
@@ -202,24 +206,6 @@ def test_packed_documents_equal_separate_runs(fn):
             covered[sl] = True
         _close(out[b, ~covered], np.zeros_like(out[b, ~covered]))  # padding outputs zeros
         _close(final[b], s_doc[0])  # the last document's state; trailing padding is a no-op
-
-
-def recurrence_jnp(q, k, v, g, beta, segment_ids, initial_state):
-    """`recurrence_float64` in jnp, so jax.grad differentiates it (run under jax.enable_x64 for float64)."""
-    hk, hv = q.shape[2], v.shape[2]
-    q, k = (jnp.repeat(x, hv // hk, axis=2) for x in (q, k))  # [B, S, Hv, Dk]
-    st, outs = initial_state, []
-    for t in range(q.shape[1]):
-        if t > 0:  # a new document starts from a zero state; padding keeps the state
-            starts = (segment_ids[:, t] != segment_ids[:, t - 1]) & (segment_ids[:, t] != 0)
-            st = jnp.where(starts[:, None, None, None], 0.0, st)
-        decayed = st * jnp.exp(g[:, t])[..., None, None]
-        err = v[:, t] - jnp.einsum("bhkv,bhk->bhv", decayed, k[:, t])
-        new = decayed + jnp.einsum("bhk,bhv->bhkv", k[:, t], beta[:, t, :, None] * err)
-        valid = (segment_ids[:, t] != 0)[:, None, None]  # padding: a no-op that outputs zeros
-        outs.append(jnp.where(valid, jnp.einsum("bhkv,bhk->bhv", new, q[:, t]), 0.0))
-        st = jnp.where(valid[..., None], new, st)
-    return jnp.stack(outs, axis=1), st
 
 
 # chunks of 2: 20 chunks, more than UNROLL_CHUNKS, so "sequential" is a lax.scan (else written out)
