@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\njax {jax.__version__} ({jax.default_backend()}){threads}, {os.cpu_count()} CPUs, GLIBC_TUNABLES: "
           f"{malloc}; load average "
           f"{load:.1f}; median of {args.steps} steps after a warm-up"
-          + (f", median over {args.rounds} rounds of both stacks" if args.rounds > 1 and args.run_torch else ""))
+          + (f", median over {args.rounds} rounds of both stacks" if args.rounds > 1 else ""))
     print(table(rows))
     if breakdown:
         print("\n| piece | fwd s | fwd+bwd s | bwd / fwd |\n| --- | --- | --- | --- |")
