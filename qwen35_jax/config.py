@@ -82,7 +82,8 @@ class Qwen35Config:
     # with depth); the backward then reads every block's saved activations where they are, instead of
     # the scan stacking them into [num_blocks, ...] buffers and slicing them back out (on an H200 the
     # 0.8B step at 8k tokens: 0.283 s scanned, 0.255 s one after another; compile 24 s vs 54 s).
-    # "auto": False on GPU, True elsewhere (TPU: compile time of deep models; CPU: no measured gain).
+    # "auto": False on GPU when nothing is recomputed (remat "none"), True otherwise (TPU: compile time of
+    # deep models; CPU: no measured gain; with recomputation: memory, see `model.scans_layers`).
     scan_layers: bool | str = "auto"
 
     def __post_init__(self) -> None:

@@ -98,10 +98,13 @@ class Block(nnx.Module):
 EMBED_SCOPE = "embed_lookup"
 
 
-def scans_layers(config: Qwen35Config) -> bool:
-    """`config.scan_layers` with "auto" resolved for this backend (False on GPU), read at trace time."""
+def scans_layers(config: Qwen35Config, backend: str | None = None) -> bool:
+    """`config.scan_layers` with "auto" resolved for `backend` (None: this one), read at trace time:
+    one after another only on GPU and only without recomputation (remat "none"). The scan orders a
+    recomputing backward block by block; unrolled, XLA is free to start every block's backward
+    buffers at once (the 0.8B at 4 x 8,192 tokens under "full": 29.7 GiB scanned, 47.7 unrolled)."""
     if config.scan_layers == "auto":
-        return jax.default_backend() != "gpu"
+        return (backend or jax.default_backend()) != "gpu" or config.remat != "none"
     return bool(config.scan_layers)
 
 

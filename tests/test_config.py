@@ -190,6 +190,11 @@ def test_scan_layers_setting_and_its_runtime_choice():
     cfg = Qwen35Config.preset("tiny")
     assert cfg.scan_layers == "auto" and scans_layers(cfg)  # "auto" scans off a GPU
     assert not scans_layers(cfg.replace(scan_layers=False))
+    # on GPU the blocks run one after another only when the backward recomputes nothing
+    assert not scans_layers(cfg.replace(remat="none"), backend="gpu")
+    for remat in ("auto", "full", "nested", "layer", "dots", "offload"):
+        assert scans_layers(cfg.replace(remat=remat), backend="gpu"), remat
+    assert not scans_layers(cfg.replace(remat="full", scan_layers=False), backend="gpu")
     with pytest.raises(ValueError, match="scan_layers must be True, False or 'auto', got 'yes'"):
         cfg.replace(scan_layers="yes")
     for flag, want in (("auto", "auto"), ("true", True), ("false", False)):

@@ -22,8 +22,10 @@ from jax.sharding import NamedSharding
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention_kernels import attention_implementation
+from qwen35_jax.layers.chunk_states import gdn_chunk_scan
 from qwen35_jax.layers.tiling import DEFAULT_SEQUENCE_TILE, sequence_tile
 from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
+from qwen35_jax.model import scans_layers
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings
 from qwen35_jax.train.optim import make_optimizer, make_schedule, opt_state_shardings
 from qwen35_jax.train.step import MICRO_BSS, StepOptions, make_train_step
@@ -64,14 +66,18 @@ def abstract_train_state(config: Qwen35Config, mesh: jax.sharding.Mesh,
 
 def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *,
                        gdn_mode: str = "all_to_all", attention: str = "pallas",
-                       tile: int | None = DEFAULT_SEQUENCE_TILE, lm_head_mode: str = "gather",
-                       batch: int | None = None,
+                       gdn_scan: str = "pallas", tile: int | None = DEFAULT_SEQUENCE_TILE,
+                       lm_head_mode: str = "gather", batch: int | None = None,
                        devices: list[Any] | None = None) -> tuple[Any, float]:
     """Lower and compile the whole train step for one [batch, seq] batch (batch default: fsdp).
 
-    attention: the implementation traced (`attention_implementation`); "pallas" is the GPU flash
-    kernel, which on CPU lowers in interpret mode (no [S, S] or [block, S] scores), the path an H200
-    runs. tile: `sequence_tile` (None: untiled). lm_head_mode: as `score_tokens` takes it."""
+    By default the program an H200 runs: attention ("pallas": the GPU flash kernel, no [S, S] or
+    [block, S] scores) and the GDN chunk-state scan (`gdn_chunk_scan`, "pallas": the Triton kernel,
+    whose mixers keep only their inputs and chunk states) lower in interpret mode on CPU, and a
+    `scan_layers` of "auto" is resolved as on a GPU (`scans_layers`). tile: `sequence_tile` (None:
+    untiled). lm_head_mode: as `score_tokens` takes it."""
+    if config.scan_layers == "auto":
+        config = config.replace(scan_layers=scans_layers(config, backend="gpu"))
     fsdp, sp = mesh_shape
     devs = list(jax.devices() if devices is None else devices)[: fsdp * sp]
     mesh = make_mesh(mesh_shape, devices=devs)
@@ -84,7 +90,8 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     step = make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head_mode), shardings)  # the trainer's step
     start = time.time()
     mode = gdn_sp_mode(gdn_mode) if sp > 1 else contextlib.nullcontext()
-    with jax.set_mesh(mesh), mode, attention_implementation(attention), sequence_tile(tile):
+    with (jax.set_mesh(mesh), mode, attention_implementation(attention), gdn_chunk_scan(gdn_scan),
+          sequence_tile(tile)):
         compiled = step.lower(params, opt_state, batch_arrays).compile()
     return compiled, time.time() - start
 
