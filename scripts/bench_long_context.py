@@ -10,7 +10,8 @@ from abstract inputs (nothing is allocated) and compiled; per device it needs ar
 temporaries - aliased bytes (`memory_analysis()`). Without --seq the longest S that fits
 --device-memory is searched (powers of two, then refined; every length reported was compiled).
 On a CPU host the devices are simulated; XLA:CPU buffers differently from XLA:GPU, so the figure is
-an estimate. Attention is traced as the GPU flash kernel (interpret mode on CPU).
+an estimate. The program traced is the one a GPU runs: the Pallas attention and GDN chunk-state
+kernels (interpret mode on CPU), `scan_layers` resolved as on a GPU.
 """
 
 import argparse
