@@ -17,13 +17,9 @@ compile-time memory on CPU tells the policies apart (a 16k-token, 8-layer small-
 of temporaries without remat, 4.0 GiB with `full`; before, 6.7 GiB for both). Programs without
 checkpoints compile as before.
 
-XLA:CPU's default scheduler orders a program for concurrency, not memory: it allocates, for
-instance, the zero-initialised buffers of every loop in a recomputed block's backward at the start
-of that backward, for all of its layers at once (docs/benchmarks.md, "Long context"). Its
-memory-optimised scheduler keeps them for their own layer: the 9B's step at 1M tokens on sp = 8
-needs 72.1 GiB per device instead of 79.0, and the step times of `scripts/bench_train.py` move by
--19% to +3.5% by config. A GPU's scheduler works against the device's memory limit, so this is
-also the closer estimate of a GPU program.
+XLA:CPU's scheduler is left at its default: its memory-optimised one
+(`xla_cpu_scheduler_type`) made some of our programs smaller and others much larger
+(docs/benchmarks.md, 2026-12-06), and the default is the one whose figure matched an H200's.
 
 Options are probed one by one, once: a jaxlib that no longer knows one (or one of its values)
 compiles without it instead of failing. GPU and TPU get no options.
@@ -39,7 +35,6 @@ import jax.numpy as jnp
 CPU_OPTIONS = {
     "xla_cpu_experimental_ynn_fusion_type": "",  # "": the empty list of YNNPACK fusion kinds
     "xla_disable_hlo_passes": "cse_barrier_expander",  # keep remat's optimization barriers (see above)
-    "xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",  # schedule for memory (see above)
 }
 
 
