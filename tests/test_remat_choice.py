@@ -59,10 +59,11 @@ def test_step_over_the_limit_falls_back_to_full():
     needed = probe.needed_bytes
     assert needed >= T * T * 4  # the temporary is counted
     limit = int(needed / AUTO_REMAT_HEADROOM) - 1  # just too small for "none"
-    step = AutoRematStep(stand_in_steps(built), limit_bytes=limit, log=logged.append)
+    step = AutoRematStep(stand_in_steps(built), limit_bytes=limit, log=logged.append,
+                         describe=lambda policy: f"what {policy} runs")
     np.testing.assert_array_equal(np.asarray(step(*args())), np.full(N, 3.0))
     assert step.policy == "full" and built == ["none", "full"] and step.needed_bytes == needed
-    assert "auto -> full" in logged[0] and "over" in logged[0]
+    assert "auto -> full (what full runs):" in logged[0] and "over" in logged[0]
     just_enough = AutoRematStep(stand_in_steps([]), limit_bytes=int(needed / AUTO_REMAT_HEADROOM) + 1)
     just_enough(*args())
     assert just_enough.policy == "none"

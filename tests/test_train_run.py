@@ -62,7 +62,7 @@ def test_run_directory_holds_metrics_events_plot_config_and_checkpoints(straight
 
 def test_default_remat_is_chosen_at_the_first_step_and_reported(tmp_path, capsys):
     assert run_train(tmp_path / "run", steps=1) == 0
-    assert "remat auto -> none: without recomputation the step needs" in capsys.readouterr().out
+    assert "remat auto -> none (blocks scanned): without recomputation the step needs" in capsys.readouterr().out
 
 
 def test_resume_on_the_same_mesh_continues_the_same_loss_curve(straight_run, tmp_path):

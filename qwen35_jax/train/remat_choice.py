@@ -18,6 +18,7 @@ import optax
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.hf.load import abstract_model
+from qwen35_jax.model import scans_layers
 from qwen35_jax.train.step import StepOptions, make_train_step
 
 AUTO_REMAT_HEADROOM = 0.85  # of the device memory: room for fragmentation and what runs beside the step
@@ -49,10 +50,11 @@ class AutoRematStep:
     """
 
     def __init__(self, make_step: Callable[[str], Any], *, limit_bytes: int | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, describe: Callable[[str], str] | None = None):
         self._make_step = make_step
         self._limit = limit_bytes
         self._log = log
+        self._describe = describe  # policy -> what else its step does differently, for the log line
         self._compiled: Any = None
         self.policy: str | None = None  # "none" or "full", once compiled
         self.needed_bytes: int | None = None  # per device, of the step without recomputation
@@ -78,7 +80,8 @@ class AutoRematStep:
             needs = ("more than the compiler could fit" if self.needed_bytes is None else
                      f"{self.needed_bytes / 2**30:.2f} GiB per device, {'within' if fits else 'over'} "
                      f"{AUTO_REMAT_HEADROOM:.0%} of the device's {limit / 2**30:.1f} GiB")
-            self._log(f"remat auto -> {self.policy}: without recomputation the step needs {needs}")
+            detail = f" ({self._describe(self.policy)})" if self._describe is not None else ""
+            self._log(f"remat auto -> {self.policy}{detail}: without recomputation the step needs {needs}")
 
 
 def make_config_train_step(config: Qwen35Config, tx: optax.GradientTransformation, options: StepOptions,
@@ -88,4 +91,7 @@ def make_config_train_step(config: Qwen35Config, tx: optax.GradientTransformatio
     def make_step(policy: str) -> Any:
         return make_train_step(abstract_model(config.replace(remat=policy))[0], tx, options, shardings)
 
-    return AutoRematStep(make_step, log=log) if config.remat == "auto" else make_step(config.remat)
+    def layout(policy: str) -> str:
+        return "blocks scanned" if scans_layers(config.replace(remat=policy)) else "blocks one after another"
+
+    return AutoRematStep(make_step, log=log, describe=layout) if config.remat == "auto" else make_step(config.remat)
