@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -70,19 +71,62 @@ def tiled_over_sequence(fn: Callable[[Any, jax.Array], jax.Array], module: nnx.M
     xs = jnp.pad(xs, ((0, 0), (0, 0), (0, n * tile - local), (0, 0)))  # zero tokens, dropped below
     spec = P(FSDP if b % mesh_axis_size(mesh, FSDP) == 0 else None, SP if sp > 1 else None, None, None)
 
-    # The tile is sliced inside the checkpoint from the whole (loop-invariant) input, and written into
-    # the whole output: neither the inputs nor the outputs exist a second time as a stack of tiles.
-    @jax.checkpoint
-    def one(xs: jax.Array, i: jax.Array) -> jax.Array:  # [B, sp, n * tile, D] -> [B, sp, tile, D]
-        xt = constrain(jax.lax.dynamic_slice_in_dim(xs, i * tile, tile, axis=2), spec)
-        y = fn(nnx.merge(graphdef, state), xt.reshape(b, sp * tile, d))
-        return constrain(y.reshape(b, sp, tile, d), spec)
+    def one(state: Any, xt: jax.Array) -> jax.Array:  # [B, sp, tile, D] -> [B, sp, tile, D]
+        y = fn(nnx.merge(graphdef, state), constrain(xt, spec).reshape(b, sp * tile, d))
+        return constrain(y.reshape(b, sp, tile, d).astype(xt.dtype), spec)
 
-    def body(i: jax.Array, ys: jax.Array) -> jax.Array:
-        return jax.lax.dynamic_update_slice_in_dim(ys, one(xs, i).astype(ys.dtype), i * tile, axis=2)
-
-    ys = jax.lax.fori_loop(0, n, body, jnp.zeros_like(xs))  # [B, sp, n * tile, D]
+    ys = _tiles_in_place(one, tile, state, xs)  # [B, sp, n * tile, D]
     return ys[:, :, :local].reshape(b, s, d)
+
+
+def zeros_after(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
+    """Zeros of `shape`, computed from an element of `like` (zero for any finite or infinite value) so
+    that the compiler cannot create the buffer before `like` exists. A plain zero fill is a constant,
+    which XLA shares between loops and may allocate long before its loop runs: XLA:CPU allocated the
+    backward buffers of every layer of a recomputed block when the block's backward began."""
+    tie = jnp.minimum(jnp.abs(like.reshape(-1)[0]).astype(jnp.float32), 0.0)
+    return jnp.broadcast_to(tie.astype(dtype), shape)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _tiles_in_place(one: Callable[[Any, jax.Array], jax.Array], tile: int, state: Any, xs: jax.Array) -> jax.Array:
+    """`one(state, xt)` on every `tile` tokens (axis 2) of xs [B, sp, n * tile, D], written where they were.
+
+    Each tile is sliced from the whole input and written into the whole output, so neither exists a
+    second time as a stack of tiles; only `state` and xs are kept for the backward, which recomputes
+    each tile and writes its input gradient over the output gradient's own tile (no zero-filled
+    accumulator the size of xs)."""
+    return _tiles_forward(one, tile, state, xs)[0]
+
+
+def _tiles_forward(one: Callable[[Any, jax.Array], jax.Array], tile: int, state: Any, xs: jax.Array
+                   ) -> tuple[jax.Array, tuple[Any, jax.Array]]:
+    def body(i: jax.Array, ys: jax.Array) -> jax.Array:
+        xt = jax.lax.dynamic_slice_in_dim(xs, i * tile, tile, axis=2)
+        return jax.lax.dynamic_update_slice_in_dim(ys, one(state, xt), i * tile, axis=2)
+
+    # every tile is overwritten, so the output starts as a copy of the input (not a zero fill)
+    return jax.lax.fori_loop(0, xs.shape[2] // tile, body, xs), (state, xs)
+
+
+def _tiles_backward(one: Callable[[Any, jax.Array], jax.Array], tile: int, saved: tuple[Any, jax.Array],
+                    d_ys: jax.Array) -> tuple[Any, jax.Array]:  # d_ys [B, sp, n * tile, D]
+    state, xs = saved
+    d_state = jax.tree.map(lambda w: zeros_after(d_ys, w.shape, w.dtype), state)
+
+    def body(i: jax.Array, carry: tuple[Any, jax.Array]) -> tuple[Any, jax.Array]:
+        d_state, d_xs = carry  # d_xs: the input gradient in tiles < i, the output gradient from i on
+        xt = jax.lax.dynamic_slice_in_dim(xs, i * tile, tile, axis=2)
+        _, vjp = jax.vjp(one, state, xt)
+        d_st, d_xt = vjp(jax.lax.dynamic_slice_in_dim(d_xs, i * tile, tile, axis=2))
+        d_state = jax.tree.map(lambda acc, g: acc + g.astype(acc.dtype), d_state, d_st)
+        return d_state, jax.lax.dynamic_update_slice_in_dim(d_xs, d_xt.astype(d_xs.dtype), i * tile, axis=2)
+
+    # tile i of d_ys is read once, then replaced by tile i of the input gradient
+    return jax.lax.fori_loop(0, xs.shape[2] // tile, body, (d_state, d_ys.astype(xs.dtype)))
+
+
+_tiles_in_place.defvjp(_tiles_forward, _tiles_backward)
 
 
 def delta_rule_tile(chunk_size: int) -> int | None:
