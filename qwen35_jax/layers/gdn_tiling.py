@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from qwen35_jax.layers.tiling import document_starts_tile, stack_tiles, unstack_tiles
+from qwen35_jax.layers.tiling import document_starts_tile, stack_tiles, unstack_tiles, zeros_after
 
 # segment(q, k, v, z, b, a, *weights, segment_ids, halo=(hq, hk, hv, hseg), initial_state=S0)
 #   -> (out [B, T, Hv, Dv], final state [B, Hv, Dk, Dv])
@@ -78,13 +78,6 @@ def _entering(state: jax.Array, reset: jax.Array) -> jax.Array:  # [B, Hv, Dk, D
     return jnp.where(reset[:, None, None, None], 0.0, state)
 
 
-def _tied_zeros(shape: tuple[int, ...], dtype: Any, like: jax.Array) -> jax.Array:
-    """Zeros of `shape` computed from an element of `like` (zero for any finite or infinite value),
-    so that the compiler cannot create the buffer before `like` exists."""
-    tie = jnp.minimum(jnp.abs(like.reshape(-1)[0]).astype(jnp.float32), 0.0)
-    return jnp.broadcast_to(tie.astype(dtype), shape)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _tile_scan(one: Callable[..., tuple[jax.Array, jax.Array]], state0: jax.Array, tiles: tuple[jax.Array, ...],
                weights: tuple[Any, ...], ids: tuple[jax.Array, ...]) -> jax.Array:  # [n, B, tile, Hv, Dv]
@@ -113,14 +106,14 @@ def _tile_scan_forward(one: Callable[..., tuple[jax.Array, jax.Array]], state0: 
 def _tile_scan_backward(one: Callable[..., tuple[jax.Array, jax.Array]], saved: tuple[Any, ...],
                         d_out: jax.Array) -> tuple[Any, ...]:  # d_out [n, B, tile, Hv, Dv]
     """Tiles in reverse order, each recomputed from the state it started from (`jax.vjp` of `one`),
-    the state's cotangent carried backwards; every buffer is built from d_out (`_tied_zeros`)."""
+    the state's cotangent carried backwards; every buffer is built from d_out (`tiling.zeros_after`)."""
     entering, tiles, weights, ids = saved
     n = d_out.shape[0]
-    d_tiles = tuple(_tied_zeros(x.shape, x.dtype, d_out) for x in tiles)
-    d_weights = jax.tree.map(lambda w: _tied_zeros(w.shape, w.dtype, d_out), weights)
-    d_state = _tied_zeros(entering.shape[1:], entering.dtype, d_out)  # into the last tile's final state: none
+    d_tiles = tuple(zeros_after(d_out, x.shape, x.dtype) for x in tiles)
+    d_weights = jax.tree.map(lambda w: zeros_after(d_out, w.shape, w.dtype), weights)
+    d_state = zeros_after(d_out, entering.shape[1:], entering.dtype)  # into the last tile's final state: none
 
-    def body(j, carry):
+    def body(j: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
         d_state, d_tiles, d_weights = carry
         i = n - 1 - j
         tile_in = tuple(x[i] for x in tiles)
