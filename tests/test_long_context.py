@@ -19,6 +19,7 @@ from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.tiling import sequence_tile
 from qwen35_jax.model import Qwen35ForCausalLM, check_offload_supported
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings
+from qwen35_jax.xla_options import compiler_options
 
 TOL = 1e-5
 
@@ -288,3 +289,47 @@ def test_search_stops_when_the_state_alone_does_not_fit():
     measure, calls = fake_measure(fixed=10_000, per_token=1)
     best, _ = longest_fitting(measure, 5_000, start=1 << 16, granule=64)
     assert best is None and calls == [1 << 16]
+
+
+def test_tiled_backward_holds_each_layers_buffers_only_during_its_own_backward():
+    """Eight checkpointed residual layers of `tiled_over_sequence` (two checkpointed blocks of four,
+    as remat "nested" nests them) need less memory than the same loop left to autodiff, whose
+    zero-filled input-gradient accumulators XLA allocated for all four layers of a block at once;
+    values and gradients agree."""
+    from qwen35_jax.layers.tiling import tiled_over_sequence
+
+    rng = np.random.default_rng(0)
+    layers = [nnx.Linear(64, 64, rngs=nnx.Rngs(i)) for i in range(8)]
+    graphdef, states = nnx.split(layers)
+    x = jnp.asarray(rng.normal(size=(1, 8192, 64)).astype(np.float32))  # 2 MiB per [S, D] buffer
+
+    def layer_fn(layer: nnx.Linear, x: jax.Array) -> jax.Array:
+        return jnp.tanh(layer(x))
+
+    def autodiff_tiles(layer: nnx.Linear, x: jax.Array) -> jax.Array:  # the loop autodiff differentiates
+        def body(i, ys):
+            xt = jax.checkpoint(lambda x, i: layer_fn(layer, jax.lax.dynamic_slice_in_dim(x, i * 1024, 1024, 1)))(x, i)
+            return jax.lax.dynamic_update_slice_in_dim(ys, xt, i * 1024, 1)
+        return jax.lax.fori_loop(0, 8, body, jnp.zeros_like(x))
+
+    def loss(states, x, tiled):
+        stack = nnx.merge(graphdef, states)
+
+        def block(layers, x):
+            for layer in layers:
+                x = x + jax.checkpoint(lambda x, layer=layer: tiled(layer, x))(x)
+            return x
+
+        for i in (0, 4):
+            x = jax.checkpoint(lambda x, i=i: block(stack[i:i + 4], x))(x)
+        return jnp.sum(x * x)
+
+    ours = functools.partial(tiled_over_sequence, layer_fn)
+    with sequence_tile(1024):
+        compiled = {name: jax.jit(jax.value_and_grad(functools.partial(loss, tiled=fn)), compiler_options=compiler_options()).lower(states, x).compile()
+                    for name, fn in (("ours", ours), ("autodiff", autodiff_tiles))}
+    temp = {name: c.memory_analysis().temp_size_in_bytes for name, c in compiled.items()}
+    assert temp["ours"] < 0.5 * temp["autodiff"], temp  # measured 12.8 against 44.0 MiB
+    got, want = compiled["ours"](states, x), compiled["autodiff"](states, x)
+    assert_close(got[0], want[0], "loss")
+    assert_trees_close(got[1], want[1])
