@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train-step speed of qwen35-jax against transformers' PyTorch model, side by side in one process.
+"""Train-step speed of qwen35-jax against transformers' PyTorch model (logic: `qwen35_jax.bench`).
 
     python scripts/bench_train.py [--config small|large|long ...] [--steps 5] [--remat REMAT]
                                   [--cores [gdn attention]] [--breakdown] [--json out.json]
@@ -32,24 +32,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable
 
+from qwen35_jax.bench.train_step import CONFIGS, SETTINGS, SMALL
 from qwen35_jax.config import PRESETS, SCAN_LAYERS_FLAGS
-
-# name -> (model settings, batch, sequence); intermediate_size is 3.5 x hidden as in the published 0.8B.
-SMALL = dict(hidden=256, intermediate=896, layers=4, heads=4, kv_heads=2, head_dim=64, gdn_key_heads=4,
-             gdn_value_heads=8, gdn_head_dim=32, vocab=4096, mrope=(2, 3, 3))
-LARGE = dict(hidden=1024, intermediate=3584, layers=4, heads=8, kv_heads=2, head_dim=256, gdn_key_heads=16,
-             gdn_value_heads=16, gdn_head_dim=128, vocab=4096, mrope=(11, 11, 10))
-CONFIGS = {
-    "small": (SMALL, 4, 512),
-    "long": (SMALL, 1, 4096),
-    "large": (LARGE, 1, 2048),
-}
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -58,10 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "first one's settings")
     p.add_argument("--preset", default=None,
                    help="instead of --config: a Qwen35Config preset (e.g. 0.8B), all its layers")
-    for name, default in SMALL.items():
-        if name != "mrope":
-            p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
-                           help=f"override {name} (small: {default})")
+    for name in SETTINGS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None,
+                       help=f"override {name} (small: {SMALL[name]})")
     p.add_argument("--batch", type=int, default=None, help="rows per step (overrides the config's)")
     p.add_argument("--seq", type=int, default=None, help="tokens per row (overrides the config's)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
@@ -127,7 +112,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.cores_only and not args.cores:
         p.error("--cores-only needs --cores")
     for name in ("steps", "rounds", "batch", "seq", "core_seq", "core_heads", "core_dim",
-                 *(k for k in SMALL if k != "mrope")):
+                 *SETTINGS):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -171,370 +156,40 @@ def parse_remat(value: str | None) -> bool | str | None:
     return value
 
 
-def build_config(settings: dict, remat: bool | str | None, dtype: str = "float32"):
-    from qwen35_jax.config import Qwen35Config, hybrid_layer_types
-
-    s = settings
-    cfg = Qwen35Config(
-        vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["intermediate"],
-        num_hidden_layers=s["layers"], num_attention_heads=s["heads"], num_key_value_heads=s["kv_heads"],
-        head_dim=s["head_dim"], rms_norm_eps=1e-6, rope_theta=10_000_000.0, partial_rotary_factor=0.25,
-        mrope_section=tuple(s["mrope"]), mrope_interleaved=True, tie_word_embeddings=False,
-        layer_types=hybrid_layer_types(s["layers"], 4), linear_conv_kernel_dim=4,
-        linear_key_head_dim=s["gdn_head_dim"], linear_value_head_dim=s["gdn_head_dim"],
-        linear_num_key_heads=s["gdn_key_heads"], linear_num_value_heads=s["gdn_value_heads"], num_experts=0,
-        num_experts_per_tok=0, moe_intermediate_size=0, shared_expert_intermediate_size=0,
-        norm_topk_prob=False, hf_model_type="qwen3_5_text", dtype=dtype)
-    return cfg if remat is None else cfg.replace(remat=remat)
-
-
 def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
     """(name, Qwen35Config, batch, seq) of every train step to time."""
-    from qwen35_jax.config import Qwen35Config
+    from qwen35_jax.bench.train_step import planned_runs
 
-    remat = parse_remat(args.remat)
-    if args.preset is not None:
-        config = Qwen35Config.preset(args.preset, dtype=args.dtype, scan_layers=args.scan_layers)
-        config = config if remat is None else config.replace(remat=remat)
-        return [(args.preset, config, args.batch or 1, args.seq or 8192)]
-    out = []
-    for i, name in enumerate(args.config):
-        settings, batch, seq = CONFIGS[name]
-        settings = dict(settings)
-        if i == 0:
-            settings.update({k: getattr(args, k) for k in SMALL if k != "mrope" and getattr(args, k) is not None})
-            batch, seq = args.batch or batch, args.seq or seq
-        config = build_config(settings, remat, args.dtype).replace(scan_layers=args.scan_layers)
-        out.append((name, config, batch, seq))
-    return out
+    overrides = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
+    return planned_runs(args.config, preset=args.preset, overrides=overrides, batch=args.batch, seq=args.seq,
+                        remat=parse_remat(args.remat), dtype=args.dtype, scan_layers=args.scan_layers)
 
 
-def ours_step(config, tokens, attention: str = "auto", logprob_backend: str = "auto") -> Callable[[], None]:
-    """One of our train steps on `tokens` [B, S] (int numpy), as a callable that blocks until done."""
-    import jax
-    import numpy as np
-    from flax import nnx
+def time_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
+    """Every planned train step, then the cores, then the breakdown, in this process."""
+    from qwen35_jax.bench.breakdown import time_pieces
+    from qwen35_jax.bench.cores import time_attention_core, time_gdn_core
+    from qwen35_jax.bench.report import table
+    from qwen35_jax.bench.train_step import time_train_step
 
-    from qwen35_jax.kernel_choices import kernel_choices
-    from qwen35_jax.model import Qwen35ForCausalLM
-    from qwen35_jax.parallel.mesh import create_sharded, make_mesh
-    from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule, place_batch
-    from qwen35_jax.train.remat_choice import make_config_train_step
-
-    mesh = make_mesh((1, 1), jax.devices()[:1])
-    model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), mesh)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tx = make_optimizer(make_schedule(1e-4, 1000))
-    opt_state = init_opt_state(tx, params, mesh)
-    step = make_config_train_step(config, tx, StepOptions(backend=logprob_backend),
-                                  jax.tree.map(lambda x: x.sharding, (params, opt_state)))
-    ones = np.ones(tokens.shape, np.int32)
-    batch = place_batch({"tokens": tokens.astype(np.int32), "segment_ids": ones, "loss_mask": ones}, mesh, 1, 1)
-    state = [params, opt_state]
-
-    def run() -> None:
-        with jax.set_mesh(mesh), kernel_choices(attention=attention):  # the first call traces
-            state[0], state[1], metrics = step(state[0], state[1], batch)
-            jax.block_until_ready(metrics)
-
-    run.remat = lambda: getattr(step, "policy", None) or config.remat  # what "auto" chose, once run
-    return run
-
-
-def torch_step(config, tokens) -> Callable[[], None]:
-    """transformers' train step on the same config and tokens: eager, default attention, AdamW."""
-    import torch
-    import transformers
-
-    torch.manual_seed(0)
-    hf_config = transformers.Qwen3_5TextConfig(**config.to_hf_dict())
-    model = transformers.Qwen3_5ForCausalLM(hf_config).float().train()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0)
-    ids = torch.as_tensor(tokens, dtype=torch.long)
-
-    def run() -> None:
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    return run
-
-
-def time_side_by_side(fns: dict[str, Callable[[], None]], steps: int) -> dict[str, dict[str, float]]:
-    """For each stack in turn: one warm-up call, then the median (and min/max) of `steps` timed calls.
-
-    One stack at a time, not alternating step by step: XLA's and torch's CPU thread pools each spin
-    for a while after their work, and interleaved they slow each other down several-fold.
-    """
-    out = {}
-    for name, fn in fns.items():
-        t0 = time.perf_counter()
-        fn()
-        warm = time.perf_counter() - t0
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        out[name] = {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times),
-                     "warmup_s": warm, "load_average": os.getloadavg()[0]}
-    return out
-
-
-def bench_config(name: str, config, batch: int, seq: int, args: argparse.Namespace) -> dict:
-    import jax
-    import numpy as np
-
-    from qwen35_jax.train.flops import peak_tflops, train_flops
-
-    tokens = np.random.default_rng(0).integers(0, config.vocab_size, (batch, seq))
-    fns = {"ours": ours_step(config, tokens, args.attention, args.logprob_backend)} if args.run_ours else {}
-    if args.run_torch:
-        fns["transformers"] = torch_step(config, tokens)
-    timings = time_side_by_side(fns, args.steps)
-    remat = config.remat if "ours" not in fns or fns["ours"].remat() == config.remat else \
-        f"{config.remat} -> {fns['ours'].remat()}"
-    row = {"config": name, "batch": batch, "seq": seq, "remat": remat, "dtype": config.dtype,
-           "model_tflops_per_step": train_flops(config, batch, seq) / 1e12, **timings}
-    if "ours" in fns:
-        row["ours"].update(attention=args.attention, logprob_backend=args.logprob_backend)
-        if args.profile:  # one more step, traced; the trace lands in DIR/<name>/plugins/profile/<run>/
-            try:
-                with jax.profiler.trace(os.path.join(args.profile, name)):
-                    fns["ours"]()
-            except Exception as e:  # noqa: BLE001 - a profiler that cannot start must not lose the timings
-                print(f"bench_train: no profile ({type(e).__name__}: {e})", file=sys.stderr)
-    peak = args.peak_tflops or peak_tflops(jax.devices()[0])
-    if peak and "ours" in row:
-        row["ours"]["mfu"] = row["model_tflops_per_step"] / row["ours"]["median_s"] / peak
-    return row
-
-
-def jit_cpu_tuned(fn: Callable) -> Callable:
-    """`jax.jit` with the compiler options our train step uses (`qwen35_jax.xla_options`)."""
-    import jax
-
-    from qwen35_jax.xla_options import compiler_options
-
-    return jax.jit(fn, compiler_options=compiler_options())
-
-
-def _with_kernel_blocks(blocks: tuple[int, int], fn: Callable, *args: object) -> object:
-    from qwen35_jax.layers.chunk_states_pallas import gdn_kernel_blocks
-
-    with gdn_kernel_blocks(*blocks):
-        return fn(*args)
-
-
-def bench_cores(args: argparse.Namespace) -> list[dict]:
-    """The sequence mixers alone, forward+backward of sum(out * cotangent), at S = --core-seq."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-
-    from qwen35_jax.layers.attention import attention_core
-    from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
-
-    rng = np.random.default_rng(0)
-    rows = []
-    B, S = 1, args.core_seq
-    if "gdn" in args.cores:
-        # key heads = value heads; q, k L2-normalised (torch's scales q inside, ours takes it scaled)
-        H, D = args.core_heads, args.core_dim
-        q, k = (rng.standard_normal((B, S, H, D)).astype(np.float32) for _ in range(2))
-        q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
-        v = rng.standard_normal((B, S, H, D)).astype(np.float32)
-        g = -np.abs(rng.standard_normal((B, S, H))).astype(np.float32) * 0.1
-        beta = (1 / (1 + np.exp(-rng.standard_normal((B, S, H))))).astype(np.float32)
-        cot = rng.standard_normal((B, S, H, D)).astype(np.float32)
-        jargs = [jnp.asarray(x) for x in (q, k, v, g, beta)]
-        grads = {}
-        variants = [(scan, precision, blocks) for scan in args.core_scans or [None]
-                    for precision in args.core_precisions or [None] for blocks in args.core_kernel_blocks or [None]]
-        for scan, precision, blocks in variants:
-            def gdn_loss(q, k, v, g, beta, precision=precision, scan=scan):
-                out, _ = chunked_gated_delta_rule(q * D**-0.5, k, v, g, beta, precision=precision,
-                                                  chunk_scan=scan)
-                return jnp.sum(out * cot)
-
-            grad = jit_cpu_tuned(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
-            if blocks is not None:  # traced (at the first call) inside the kernel-blocks setting
-                grad = (lambda *a, grad=grad, blocks=blocks: _with_kernel_blocks(blocks, grad, *a))
-            label = None if blocks is None else "blocks {}x{}".format(*blocks)
-            grads[" ".join(["ours", *(x for x in (precision, scan, label) if x is not None)])] = grad
-        fns = {name: (lambda f=f: jax.block_until_ready(f(*jargs))) for name, f in grads.items()} \
-            if args.run_ours else {}
-        if args.run_torch:
-            import torch
-            from transformers.models.qwen3_5.modeling_qwen3_5 import torch_chunk_gated_delta_rule
-
-            targs = [torch.tensor(x, requires_grad=True) for x in (q, k, v, g, beta)]
-            tcot = torch.tensor(cot)
-
-            def torch_gdn() -> None:
-                out, _ = torch_chunk_gated_delta_rule(*targs)
-                torch.autograd.grad((out * tcot).sum(), targs)
-
-            fns["transformers"] = torch_gdn
-        row = {"config": "gdn_core", "settings": dict(B=B, S=S, H=H, d=D), "batch": B, "seq": S,
-               **time_side_by_side(fns, args.steps)}
-        if args.run_ours and len(grads) > 1:  # every precision's gradients against the first one's
-            ref = [np.asarray(x, np.float64) for x in next(iter(grads.values()))(*jargs)]
-            for name, f in list(grads.items())[1:]:
-                got = f(*jargs)
-                row[name]["max_rel_grad_err_vs_first"] = max(
-                    float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()) for a, b in zip(got, ref))
-        rows.append(row)
-
-    if "attention" in args.cores:
-        # 4 query / 2 kv heads of 64, two documents (cut at S / 3)
-        H, K, Dh = 4, 2, 64
-        qa = rng.standard_normal((B, S, H, Dh)).astype(np.float32)
-        ka, va = (rng.standard_normal((B, S, K, Dh)).astype(np.float32) for _ in range(2))
-        seg = (1 + (np.arange(S) >= S // 3)).astype(np.int32)[None].repeat(B, 0)
-        cot = rng.standard_normal((B, S, H, Dh)).astype(np.float32)
-
-        def attn_loss(q, k, v):
-            return jnp.sum(attention_core(q, k, v, jnp.asarray(seg)) * cot)
-
-        attn_grad = jit_cpu_tuned(jax.grad(attn_loss, argnums=(0, 1, 2)))
-        jargs_a = [jnp.asarray(x) for x in (qa, ka, va)]
-        fns = {"ours": lambda: jax.block_until_ready(attn_grad(*jargs_a))} if args.run_ours else {}
-        if args.run_torch:
-            import torch
-            import torch.nn.functional as F
-
-            tq, tk, tv = (torch.tensor(x, requires_grad=True) for x in (qa, ka, va))
-            tseg = torch.tensor(seg)
-            mask = (torch.tril(torch.ones(S, S, dtype=torch.bool)) & (tseg[:, :, None] == tseg[:, None, :]))[:, None]
-            tcot_a = torch.tensor(cot)
-
-            def torch_attn() -> None:
-                out = F.scaled_dot_product_attention(tq.transpose(1, 2), tk.transpose(1, 2), tv.transpose(1, 2),
-                                                     attn_mask=mask, enable_gqa=True).transpose(1, 2)
-                torch.autograd.grad((out * tcot_a).sum(), (tq, tk, tv))
-
-            fns["transformers"] = torch_attn
-        rows.append({"config": "attention_core", "settings": dict(B=B, S=S, H=H, K=K, Dh=Dh), "batch": B,
-                     "seq": S, **time_side_by_side(fns, args.steps)})
-    return rows
-
-
-def bench_breakdown(config, batch: int, seq: int, steps: int) -> list[dict]:
-    """Where our step's time goes: forward and forward+backward of each piece alone, jitted, on the
-    config's shapes (remat as configured only applies to the whole model)."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-    from qwen35_kernels import linear_logprob_entropy
-
-    from qwen35_jax.model import DecoderLayer, Qwen35ForCausalLM
-    from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
-    from qwen35_jax.layers.rope import rope_cos_sin
-
-    rng = np.random.default_rng(0)
-    B, S, D = batch, seq, config.hidden_size
-    x = jnp.asarray(rng.standard_normal((B, S, D)).astype(np.float32))
-    seg = jnp.ones((B, S), jnp.int32)
-    pos = jnp.broadcast_to(jnp.arange(S), (3, B, S))
-    cos, sin = rope_cos_sin(pos, config)
-    pieces: dict[str, tuple[nnx.Module, tuple]] = {}
-
-    for kind in ("linear_attention", "full_attention"):
-        layer = DecoderLayer(config, kind, rngs=nnx.Rngs(0))
-        pieces[f"layer {kind}"] = (layer, (x, cos, sin, seg))
-        if kind == "linear_attention":
-            pieces["  mixer GatedDeltaNet"] = (layer.linear_attn, (x, seg))
-        else:
-            pieces["  mixer Attention"] = (layer.self_attn, (x, cos, sin, seg))
-        pieces["  mlp"] = (layer.mlp, (x,))
-
-    results = []
-
-    def time_piece(name: str, fwd: Callable, grad: Callable, args: tuple) -> None:
-        r = {"piece": name}
-        for label, f in (("fwd_s", fwd), ("fwd_bwd_s", grad)):
-            jax.block_until_ready(f(*args))
-            ts = []
-            for _ in range(steps):
-                t0 = time.perf_counter()
-                jax.block_until_ready(f(*args))
-                ts.append(time.perf_counter() - t0)
-            r[label] = statistics.median(ts)
-        results.append(r)
-        print(f"{name:40s} fwd {r['fwd_s']:.3f} s  fwd+bwd {r['fwd_bwd_s']:.3f} s", flush=True)
-
-    for name, (module, inputs) in pieces.items():
-        graphdef, state = nnx.split(module)
-
-        def loss(state, *inputs, graphdef=graphdef):
-            out = nnx.merge(graphdef, state)(*inputs)
-            return jnp.sum(out * out) * 1e-3
-
-        time_piece(name, jit_cpu_tuned(loss), jit_cpu_tuned(jax.grad(loss, argnums=(0, 1))), (state, *inputs))
-
-    # the delta rule alone, on the GDN layer's head shapes
-    Hk, Hv = config.linear_num_key_heads, config.linear_num_value_heads
-    Dk, Dv = config.linear_key_head_dim, config.linear_value_head_dim
-    q, k = (jnp.asarray(rng.standard_normal((B, S, Hk, Dk)).astype(np.float32) * Dk**-0.5) for _ in range(2))
-    v = jnp.asarray(rng.standard_normal((B, S, Hv, Dv)).astype(np.float32))
-    g = jnp.full((B, S, Hv), -0.05, jnp.float32)
-    beta = jnp.full((B, S, Hv), 0.5, jnp.float32)
-
-    chunk = config.gdn_chunk(jax.default_backend())
-
-    def rule(q, k, v, g, beta):
-        return jnp.sum(chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk)[0])
-
-    time_piece("    delta rule", jit_cpu_tuned(rule), jit_cpu_tuned(jax.grad(rule, argnums=(0, 1, 2, 3, 4))), (q, k, v, g, beta))
-
-    # the loss: lm_head + fused log-probs on the final hidden states
-    w = jnp.asarray(rng.standard_normal((D, config.vocab_size)).astype(np.float32) * D**-0.5)
-    labels = jnp.asarray(rng.integers(0, config.vocab_size, (B * S,)), jnp.int32)
-
-    def head(h, w):
-        lp, _ = linear_logprob_entropy(h.reshape(B * S, D), w, labels)
-        return -jnp.mean(lp)
-
-    time_piece("loss (lm_head + log-probs)", jit_cpu_tuned(head), jit_cpu_tuned(jax.grad(head, argnums=(0, 1))), (x, w))
-
-    # the whole model body (no loss, no optimizer)
-    model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(0))
-    graphdef, state = nnx.split(model)
-    tokens = jnp.asarray(rng.integers(0, config.vocab_size, (B, S)), jnp.int32)
-
-    def body(state, tokens):
-        h = nnx.merge(graphdef, state)(tokens)
-        return jnp.sum(h * h) * 1e-3
-
-    remat = "full" if config.remat == "auto" else config.remat  # the model alone runs auto as full
-    time_piece(f"model body (remat={remat})", jit_cpu_tuned(body), jit_cpu_tuned(jax.grad(body)), (state, tokens))
-    return results
-
-
-def table(rows: list[dict]) -> str:
-    lines = ["| run | B x S | transformers s | ours s | ours tok/s | ours / theirs |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in rows:
-        theirs = r.get("transformers", {}).get("median_s")
-        theirs_s = f"{theirs:.3f}" if theirs else "-"
-        names = [k for k in r if k.startswith("ours")]
-        if not names:  # --stack transformers
-            lines.append(f"| {r['config']} | {r['batch']} x {r['seq']} | {theirs_s} | - | - | - |")
-        for name in names:
-            ours = r[name]["median_s"]
-            tok = r["batch"] * r["seq"] / ours
-            ratio = f"{r[name].get('ratio') or theirs / ours:.2f}x" if theirs else "-"
-            if len(r[name].get("round_ratios", [])) > 1:
-                ratio += " (rounds: " + ", ".join(f"{x:.2f}" for x in r[name]["round_ratios"]) + ")"
-            extra = f" (MFU {r[name]['mfu']:.1%})" if "mfu" in r[name] else ""
-            label = r["config"] + name[4:] + (f", remat {r['remat']}" if "remat" in r else "")
-            lines.append(f"| {label} | {r['batch']} x {r['seq']} | {theirs_s} | {ours:.3f} | {tok:,.0f}{extra} | "
-                         f"{ratio} |")
-    return "\n".join(lines)
+    rows, breakdown = [], None
+    planned = [] if args.cores_only else runs(args)
+    for name, config, batch, seq in planned:
+        rows.append(time_train_step(name, config, batch, seq, steps=args.steps, ours=args.run_ours,
+                                    theirs=args.run_torch, attention=args.attention,
+                                    logprob_backend=args.logprob_backend, profile_dir=args.profile,
+                                    peak_tflops=args.peak_tflops))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    both = dict(steps=args.steps, ours=args.run_ours, theirs=args.run_torch)
+    if "gdn" in (args.cores or []):
+        rows.append(time_gdn_core(args.core_seq, args.core_heads, args.core_dim, scans=args.core_scans,
+                                  precisions=args.core_precisions, kernel_blocks=args.core_kernel_blocks, **both))
+    if "attention" in (args.cores or []):
+        rows.append(time_attention_core(args.core_seq, **both))
+    if args.breakdown and args.run_ours and planned:
+        _, config, batch, seq = planned[0]
+        breakdown = time_pieces(config, batch, seq, args.steps)
+    return rows, breakdown
 
 
 def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] | None, dict[str, str | None]]:
@@ -544,6 +199,8 @@ def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] |
     alternating the stacks puts both through the same drift."""
     import subprocess
     import tempfile
+
+    from qwen35_jax.bench.report import merge_rounds
 
     per_round = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -565,48 +222,20 @@ def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] |
     return rows, per_round[0]["ours"]["breakdown"], tunables
 
 
-def merge_rounds(rounds: list[dict]) -> dict:
-    """One row from its rounds: each stack's median_s is the median of the rounds' medians, min_s and
-    max_s the extremes over all of them; each variant of ours gains `round_ratios`, theirs / ours per
-    round, and `ratio`, their median (paired by round, so drift between rounds cancels)."""
-    if len(rounds) == 1:
-        return rounds[0]
-    row = json.loads(json.dumps(rounds[0]))
-    stacks = [k for k in row if k == "transformers" or k.startswith("ours")]
-    for stack in stacks:
-        row[stack]["median_s"] = statistics.median(r[stack]["median_s"] for r in rounds)
-        row[stack]["min_s"] = min(r[stack]["min_s"] for r in rounds)
-        row[stack]["max_s"] = max(r[stack]["max_s"] for r in rounds)
-    if "transformers" in row:
-        for stack in stacks:
-            if stack.startswith("ours"):
-                row[stack]["round_ratios"] = [r["transformers"]["median_s"] / r[stack]["median_s"] for r in rounds]
-                row[stack]["ratio"] = statistics.median(row[stack]["round_ratios"])
-    return row
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
+    from qwen35_jax.bench.report import breakdown_table, table
     from qwen35_jax.layers.chunk_states import gdn_chunk_scan, gdn_remat
     from qwen35_jax.layers.delta_rule import gdn_precision
 
-    rows, breakdown = [], None
     tunables = {"ours" if not args.run_torch else args.stack: os.environ.get("GLIBC_TUNABLES")}
     if args.stack == "both" and args.run_torch:
         rows, breakdown, tunables = run_isolated(sys.argv[1:] if argv is None else argv, args.rounds)
     else:
         with gdn_precision(args.gdn_precision), gdn_chunk_scan(args.gdn_chunk_scan), gdn_remat(args.gdn_remat):
-            planned = [] if args.cores_only else runs(args)
-            for name, config, batch, seq in planned:
-                rows.append(bench_config(name, config, batch, seq, args))
-                print(table(rows[-1:]).splitlines()[-1], flush=True)
-            if args.cores:
-                rows.extend(bench_cores(args))
-            if args.breakdown and args.run_ours and planned:
-                _, config, batch, seq = planned[0]
-                breakdown = bench_breakdown(config, batch, seq, args.steps)
+            rows, breakdown = time_rows(args)
     threads = ""
     if args.run_torch:
         import torch
@@ -620,10 +249,7 @@ def main(argv: list[str] | None = None) -> int:
           + (f", median over {args.rounds} rounds of both stacks" if args.rounds > 1 else ""))
     print(table(rows))
     if breakdown:
-        print("\n| piece | fwd s | fwd+bwd s | bwd / fwd |\n| --- | --- | --- | --- |")
-        for r in breakdown:
-            print(f"| {r['piece'].strip()} | {r['fwd_s']:.3f} | {r['fwd_bwd_s']:.3f} | "
-                  f"{(r['fwd_bwd_s'] - r['fwd_s']) / r['fwd_s']:.2f} |")
+        print("\n" + breakdown_table(breakdown))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": rows, "breakdown": breakdown, "load_average_1min": load,
