@@ -1,0 +1,68 @@
+"""scripts/device_check.sh, the GPU check, runs end to end here in its smoke mode (tiny shapes,
+interpreted kernels), with every train-step variant docs/benchmarks.md tells the next GPU session to
+time. A device lease is short and rare: a check that breaks on a renamed flag or a moved function
+must break here, not on the device."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def documented_variants() -> list[str]:
+    """Every ';'-separated TRAIN_VARIANTS entry that docs/benchmarks.md names, in order, once each."""
+    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    found = [v.strip() for group in re.findall(r'TRAIN_VARIANTS="([^"]*)"', text) for v in group.split(";")]
+    return list(dict.fromkeys(v for v in found if v))
+
+
+def find_errors(node: object, path: str = "") -> list[str]:
+    """Every "error" entry in a device_check result tree, with its path."""
+    if isinstance(node, dict):
+        items = node.items()
+    elif isinstance(node, list):
+        items = enumerate(node)
+    else:
+        return []
+    errors = []
+    for key, value in items:
+        errors += [f"{path}: {value}"] if key == "error" else find_errors(value, f"{path}/{key}")
+    return errors
+
+
+@pytest.mark.slow
+def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
+    variants = documented_variants()
+    assert variants, "docs/benchmarks.md names no TRAIN_VARIANTS for the next GPU session"
+    env = dict(os.environ)
+    env.update(SMOKE="1", STAGES="kernels,train", PYTHON=sys.executable, OUT=str(tmp_path),
+               TRAIN_VARIANTS=";".join(variants))
+    run = subprocess.run(["bash", "scripts/device_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+
+    kernels = json.loads((tmp_path / "device_check.json").read_text())
+    assert {"correctness", "matmul", "pallas_fwd_bwd", "xla_fwd_bwd", "attention"} <= set(kernels)
+    assert find_errors(kernels) == []
+    assert kernels["attention"]["ok"]
+
+    def step_time(name: str) -> float:
+        rows = json.loads((tmp_path / name).read_text())["runs"]
+        assert len(rows) == 1 and find_errors(rows) == []
+        return rows[0]["ours"]["median_s"]
+
+    assert step_time("train_step.json") > 0
+    for i in range(len(variants)):
+        assert step_time(f"train_variant_{i}.json") > 0, variants[i]
+    core = json.loads((tmp_path / "gdn_core.json").read_text())["runs"][0]
+    timed = [k for k in core if k.startswith("ours ")]
+    assert len(timed) == 6 and all(core[k]["median_s"] > 0 for k in timed)  # 2 precisions x 3 blocks
+    assert (tmp_path / "train_step_hlo.txt.gz").stat().st_size > 0
