@@ -1,7 +1,8 @@
 """The kernel and parallelism choices a user can switch from the command line.
 
-Attention implementation (`auto|xla|pallas`), fused log-prob backend, lm_head mode and GDN
-sequence-parallel mode are chosen per run; the first two are trace-time contexts entered here. When a
+Attention implementation (`auto|xla|pallas`), fused log-prob backend, lm_head mode, GDN
+sequence-parallel mode and the GDN matmul precision are chosen per run; attention, GDN mode and
+precision are trace-time contexts entered here. When a
 step fails on a GPU or TPU while a Pallas kernel is selected, `explain_compile_failure` names the flags
 that fall back to XLA, so nobody has to edit code to get going.
 """
@@ -15,13 +16,16 @@ import jax
 from qwen35_kernels.logprob_entropy.api import resolve_backend
 
 from qwen35_jax.layers.attention_kernels import attention_implementation
+from qwen35_jax.layers.gdn_matmul import gdn_precision
 from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
 
 @contextlib.contextmanager
-def kernel_choices(attention: str = "auto", gdn_mode: str = "all_to_all") -> Iterator[None]:
-    """Trace everything inside with attention implementation `attention` and GDN SP mode `gdn_mode`."""
-    with attention_implementation(attention), gdn_sp_mode(gdn_mode):
+def kernel_choices(attention: str = "auto", gdn_mode: str = "all_to_all",
+                   gdn_matmul_precision: str = "auto") -> Iterator[None]:
+    """Trace everything inside with attention implementation `attention`, GDN SP mode `gdn_mode` and
+    the GDN chunked form's matmul precision `gdn_matmul_precision`."""
+    with attention_implementation(attention), gdn_sp_mode(gdn_mode), gdn_precision(gdn_matmul_precision):
         yield
 
 

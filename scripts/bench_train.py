@@ -68,7 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="what our GDN mixers keep for the backward: auto, none or states (default auto: states "
                         "with the Pallas chunk scan, none otherwise)")
     p.add_argument("--gdn-precision", default=None,
-                   help="matmul precision of our GDN core: auto, highest, high or default (default: auto, "
+                   help="matmul precision of our GDN core: auto, highest, high, default or bf16 (default: auto, "
                         "highest on CPU, default elsewhere)")
     p.add_argument("--gdn-chunk-scan", default=None,
                    help="how our GDN core carries its state over chunks: auto, sequential or associative "
@@ -123,7 +123,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.preset is not None and args.preset not in PRESETS:
         p.error(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
     from qwen35_jax.layers.chunk_states import GDN_CHUNK_SCANS, GDN_REMATS
-    from qwen35_jax.layers.delta_rule import GDN_PRECISIONS
+    from qwen35_jax.layers.gdn_matmul import GDN_PRECISIONS
 
     blocks = []
     for value in args.core_kernel_blocks or []:
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from qwen35_jax.bench.report import breakdown_table, table
     from qwen35_jax.layers.chunk_states import gdn_chunk_scan, gdn_remat
-    from qwen35_jax.layers.delta_rule import gdn_precision
+    from qwen35_jax.layers.gdn_matmul import gdn_precision
 
     tunables = {"ours" if not args.run_torch else args.stack: os.environ.get("GLIBC_TUNABLES")}
     if args.stack == "both" and args.run_torch:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from qwen35_jax.config import GDN_PRECISIONS
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -45,6 +47,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="attention kernel (default: auto; xla is the fallback everywhere)")
     parser.add_argument("--gdn-sp-mode", choices=["all_to_all", "state_passing"], default="all_to_all",
                         help="GDN sequence parallelism (default: all_to_all)")
+    parser.add_argument("--gdn-precision", choices=GDN_PRECISIONS, default="auto",
+                        help="matmul precision of the GDN chunked form, as the trainer's (default: auto)")
     return parser.parse_args(argv)
 
 
@@ -111,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
     check_inputs(tokens, segment_ids, config.vocab_size, source=str(args.tokens))
     start = time.perf_counter()
     try:
-        with kernel_choices(args.attention, args.gdn_sp_mode):
+        with kernel_choices(args.attention, args.gdn_sp_mode, args.gdn_precision):
             log_probs, entropy = score_batches(
                 model, tokens, segment_ids, mesh=mesh, temperature=args.temperature,
                 batch_size=args.batch_size, backend=args.backend, lm_head_mode=args.lm_head)

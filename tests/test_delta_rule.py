@@ -15,12 +15,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 from float64_reference import torch_float64
 from qwen35_jax.layers.chunk_states import UNROLL_CHUNKS, gdn_chunk_scan, resolve_gdn_chunk_scan
 from qwen35_jax.layers.chunk_states_pallas import pallas_entering_states
-from qwen35_jax.layers.delta_rule import (
-    chunked_gated_delta_rule,
-    gdn_precision,
-    recurrent_gated_delta_rule,
-    resolve_gdn_precision,
-)
+from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
+from qwen35_jax.layers.gdn_matmul import BF16_OPERANDS, gdn_precision, resolve_gdn_precision
 
 B, HK, HV, DK, DV = 2, 2, 4, 8, 8
 
@@ -95,14 +91,15 @@ def test_chunk_scans_match_float64_recurrence(scan, S, chunk_size):
     _close(np.asarray(s, np.float64), s_ref, 5e-6)
 
 
-def test_pallas_chunk_states_lower_for_gpu():
+@pytest.mark.parametrize("precision", [None, BF16_OPERANDS])
+def test_pallas_chunk_states_lower_for_gpu(precision):
     # The recurrence kernels built for Triton (not interpreted) and lowered for "cuda" on this CPU
     # machine, at the 0.8B model's shapes (8192 tokens: 128 chunks of 64, 16 heads of 128), forward
     # and backward. Catches what Triton cannot express; compiling the IR needs the GPU itself.
     n, b, h, L, dk, dv = 128, 1, 16, 64, 128, 128
 
     def loss(u, w, k, decay, state):
-        return jnp.sum(pallas_entering_states(u, w, k, decay, state, None, interpret=False) ** 2)
+        return jnp.sum(pallas_entering_states(u, w, k, decay, state, precision, interpret=False) ** 2)
 
     shapes = [(b, n, h, L, dv), (b, n, h, L, dk), (b, n, h, L, dk), (b, n, h), (b, h, dk, dv)]
     args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes]
@@ -208,13 +205,10 @@ def test_packed_documents_equal_separate_runs(fn):
         _close(final[b], s_doc[0])  # the last document's state; trailing padding is a no-op
 
 
-# chunks of 2: 20 chunks, more than UNROLL_CHUNKS, so "sequential" is a lax.scan (else written out)
-@pytest.mark.parametrize("scan, chunk_size", [("sequential", 16), ("sequential", 2), ("associative", 16),
-                                              ("pallas", 16)])
-def test_gradients_match_float64_recurrence(scan, chunk_size):
-    """Gradients of the float32 chunked rule against jax.grad of the per-token recurrence in float64."""
+def _relative_gradient_errors(scan: str, chunk_size: int, precision: str = "highest") -> dict[str, float]:
+    """Gradients of the float32 chunked rule against jax.grad of the per-token recurrence in float64:
+    each input's largest error relative to its gradient's largest entry."""
     S = 40
-    assert -(-S // 2) > UNROLL_CHUNKS >= -(-S // 16)
     q, k, v, g, beta, state = _inputs(S, seed=3)
     q = q * DK**-0.5
     seg = np.ones((B, S), np.int32)
@@ -231,15 +225,62 @@ def test_gradients_match_float64_recurrence(scan, chunk_size):
     with jax.enable_x64(True):
         ref = jax.grad(lambda *a: loss(recurrence_jnp, *a), argnums=range(6))(*(x.astype(np.float64) for x in args))
         ref = [np.asarray(r) for r in ref]
-    assert all(r.dtype == np.float64 for r in ref)
-    chunked = lambda *a, **kw: chunked_gated_delta_rule(*a, chunk_size=chunk_size, chunk_scan=scan, **kw)  # noqa: E731
+    assert all(r.dtype == np.float64 and np.abs(r).max() > 0 for r in ref)
+    chunked = lambda *a, **kw: chunked_gated_delta_rule(*a, chunk_size=chunk_size, chunk_scan=scan,  # noqa: E731
+                                                        precision=precision, **kw)
     got = jax.grad(lambda *a: loss(chunked, *a), argnums=range(6))(*args)
+    return {name: float(np.abs(np.asarray(c, np.float64) - r).max() / np.abs(r).max())
+            for name, r, c in zip("q k v g beta initial_state".split(), ref, got)}
+
+
+# chunks of 2: 20 chunks, more than UNROLL_CHUNKS, so "sequential" is a lax.scan (else written out)
+@pytest.mark.parametrize("scan, chunk_size", [("sequential", 16), ("sequential", 2), ("associative", 16),
+                                              ("pallas", 16)])
+def test_gradients_match_float64_recurrence(scan, chunk_size):
+    assert -(-40 // 2) > UNROLL_CHUNKS >= -(-40 // 16)
     # float32 gradients against the float64 truth: measured at most 2.3e-7 of each gradient's largest
     # entry (every scan, AMD EPYC); 2e-6 leaves 8x headroom and still fails a dropped term or reset.
-    for name, r, c in zip("q k v g beta initial_state".split(), ref, got):
-        assert np.abs(r).max() > 0, name
-        err = np.abs(np.asarray(c, np.float64) - r).max() / np.abs(r).max()
-        assert err < 2e-6, f"{name}: relative error {err}"
+    errors = _relative_gradient_errors(scan, chunk_size)
+    assert max(errors.values()) < 2e-6, errors
+
+
+@pytest.mark.parametrize("scan", ["sequential", "associative", "pallas"])
+def test_bf16_operands_stay_within_bfloat16_rounding_of_float64(scan):
+    """precision="bf16" rounds every matmul operand to bfloat16 (8 significant bits, unit roundoff
+    2**-9 ~ 2e-3). Against the float64 truth, O(1) outputs and states (3 documents, an initial
+    state) measured 3.0e-3..6.7e-3 and 6.1e-3..9.3e-3 (all scans; gradients 2.8e-3..8.9e-3 of their
+    largest entry). 2.5e-2 allows another CPU's summation order, not a float32 state rounded to bf16
+    chunk after chunk or a dropped term (errors of 1e-1 and more); above 5e-4 shows the rounding is
+    applied (float32 operands land within 1e-6)."""
+    S, chunk_size = 200, 16
+    q, k, v, g, beta, state = _inputs(S, seed=S + chunk_size)
+    q = q * DK**-0.5
+    seg = (np.cumsum(np.random.default_rng(S).random((B, S)) < 0.03, axis=1) + 1).astype(np.int32)
+    o_ref, s_ref = recurrence_float64(q, k, v, g, beta, seg, state)
+    o, s = jax.jit(lambda *a: chunked_gated_delta_rule(*a, segment_ids=seg, initial_state=state, chunk_size=chunk_size,
+                                                       chunk_scan=scan, precision="bf16"))(q, k, v, g, beta)
+    for got, want in ((o, o_ref), (s, s_ref)):
+        err = np.abs(np.asarray(got, np.float64) - want).max()
+        assert 5e-4 < err < 2.5e-2, err
+    errors = _relative_gradient_errors(scan, 16, "bf16")
+    assert 5e-4 < max(errors.values()) < 2.5e-2, errors
+
+
+def test_bf16_einsum_on_a_gpu_equals_its_cpu_emulation(monkeypatch):
+    # On CPU the bf16 operands are rounded and multiplied in float32; on a GPU they are bf16 operands of
+    # a float32-accumulating matmul. Same products (exact in float32), other summation order: 1e-5
+    # relative to the result's largest entry allows the order, not a lost rounding (3e-3).
+    from qwen35_jax.layers import gdn_matmul
+
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in ((2, 3, 16, 32), (2, 3, 32, 8)))
+    emulated = jax.jit(lambda a, b: gdn_matmul.gdn_einsum("...ij,...jk->...ik", a, b, BF16_OPERANDS))(a, b)
+    monkeypatch.setattr(gdn_matmul.jax, "default_backend", lambda: "gpu")
+    bf16 = jax.jit(lambda a, b: gdn_matmul.gdn_einsum("...ij,...jk->...ik", a, b, BF16_OPERANDS))(a, b)
+    exact = np.einsum("...ij,...jk->...ik", np.asarray(a, np.float64), np.asarray(b, np.float64))
+    scale = np.abs(exact).max()
+    assert np.abs(np.asarray(bf16) - np.asarray(emulated)).max() < 1e-5 * scale
+    assert np.abs(np.asarray(bf16, np.float64) - exact).max() > 3e-4 * scale
 
 
 def test_bad_shapes_are_named():
@@ -259,6 +300,7 @@ def test_precision_setting_per_backend_and_context():
         assert resolve_gdn_precision() == jax.lax.Precision.HIGH
         assert resolve_gdn_precision("highest") == jax.lax.Precision.HIGHEST
     assert resolve_gdn_precision() == jax.lax.Precision.HIGHEST
+    assert resolve_gdn_precision("bf16") == BF16_OPERANDS
     with pytest.raises(ValueError, match="'tf32'"):
         resolve_gdn_precision("tf32")
     with pytest.raises(ValueError, match="'tf32'"), gdn_precision("tf32"):

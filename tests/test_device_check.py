@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def documented_variants() -> list[str]:
     """Every ';'-separated TRAIN_VARIANTS entry that docs/benchmarks.md names, in order, once each."""
     text = (ROOT / "docs" / "benchmarks.md").read_text()
-    found = [v.strip() for group in re.findall(r'TRAIN_VARIANTS="([^"]*)"', text) for v in group.split(";")]
+    found = [" ".join(v.split()) for group in re.findall(r'TRAIN_VARIANTS="([^"]*)"', text) for v in group.split(";")]
     return list(dict.fromkeys(v for v in found if v))
 
 
@@ -64,5 +64,5 @@ def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
         assert step_time(f"train_variant_{i}.json") > 0, variants[i]
     core = json.loads((tmp_path / "gdn_core.json").read_text())["runs"][0]
     timed = [k for k in core if k.startswith("ours ")]
-    assert len(timed) == 6 and all(core[k]["median_s"] > 0 for k in timed)  # 2 precisions x 3 blocks
+    assert len(timed) == 9 and all(core[k]["median_s"] > 0 for k in timed)  # 3 precisions x 3 blocks
     assert (tmp_path / "train_step_hlo.txt.gz").stat().st_size > 0

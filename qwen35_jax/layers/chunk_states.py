@@ -41,6 +41,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from qwen35_jax.layers.chunk_states_pallas import CHUNK_STATES_NAME, kernel_fits, pallas_entering_states
+from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, gdn_einsum
 
 GDN_CHUNK_SCANS = ("auto", "sequential", "associative", "pallas")
 _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", default="auto")
@@ -120,10 +121,6 @@ def chunk_scan_for(name: str | None, dk: int, dv: int, chunk: int) -> str:
                      f">= 16 on GPU, got Dk={dk}, Dv={dv}, chunk {chunk}; use gdn_chunk_scan('associative')")
 
 
-def _mm(spec: str, a: jax.Array, b: jax.Array, prec: jax.lax.Precision | None) -> jax.Array:
-    return jnp.einsum(spec, a, b, precision=prec)
-
-
 # Up to this many chunks the sequential scan is written out: no while loop, and a backward of
 # straight-line code (the delta rule's fwd+bwd at B x S = 4 x 512, chunks of 32, head dim 32 on CPU:
 # 31 -> 21.5 ms). Its compile time grows with the chunks (the same rule's gradient: 1.4 -> 2.8 s at 16
@@ -132,7 +129,7 @@ UNROLL_CHUNKS = 16
 
 
 def _written_out_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
-                              decay: jax.Array, state: jax.Array, prec: jax.lax.Precision | None
+                              decay: jax.Array, state: jax.Array, prec: GdnPrecision
                               ) -> tuple[jax.Array, jax.Array]:
     """`sequential_chunk_states` as a Python loop over the n chunks (shapes as there). The state update
     is one matmul, S' = [k; d I]^T [v; S]: as `d S + k^T v` it would be an elementwise chain from chunk
@@ -146,15 +143,18 @@ def _written_out_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.A
     eye = jnp.eye(dk, dtype=w.dtype)
     s, outs = state, []
     for u_c, w_c, q_c, k_c, intra_c, dec_c in zip(*(per_chunk(x) for x in (u, w, q, k, intra, decay))):
-        v_new = u_c - _mm("bhlk,bhkv->bhlv", w_c, s, prec)
-        outs.append(_mm("bhlk,bhkv->bhlv", q_c, s, prec) + _mm("bhij,bhjv->bhiv", intra_c, v_new, prec))
+        v_new = u_c - gdn_einsum("bhlk,bhkv->bhlv", w_c, s, prec)
+        outs.append(gdn_einsum("bhlk,bhkv->bhlv", q_c, s, prec) + gdn_einsum("bhij,bhjv->bhiv", intra_c, v_new, prec))
+        if bf16_operands(prec):  # the state itself stays float32, outside the bf16 operands
+            s = dec_c[..., None, None] * s + gdn_einsum("bhlk,bhlv->bhkv", k_c, v_new, prec)
+            continue
         k_aug = jnp.concatenate([k_c, dec_c[..., None, None] * eye], axis=-2)  # [B, H, L + Dk, Dk]
-        s = _mm("bhlk,bhlv->bhkv", k_aug, jnp.concatenate([v_new, s], axis=-2), prec)
+        s = gdn_einsum("bhlk,bhlv->bhkv", k_aug, jnp.concatenate([v_new, s], axis=-2), prec)
     return jnp.stack(outs, axis=1), s
 
 
 def sequential_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
-                            decay: jax.Array, state: jax.Array, prec: jax.lax.Precision | None
+                            decay: jax.Array, state: jax.Array, prec: GdnPrecision
                             ) -> tuple[jax.Array, jax.Array]:
     """u [B, n, H, L, Dv], w/q/k [B, n, H, L, Dk], intra [B, n, H, L, L], decay [B, n, H],
     state [B, H, Dk, Dv] -> (out [B, n, H, L, Dv], final state [B, H, Dk, Dv])."""
@@ -163,9 +163,9 @@ def sequential_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Arr
 
     def step(s, xs):  # s [B, H, Dk, Dv]
         u_c, w_c, q_c, k_c, intra_c, dec_c = xs
-        v_new = u_c - _mm("bhlk,bhkv->bhlv", w_c, s, prec)
-        o = _mm("bhlk,bhkv->bhlv", q_c, s, prec) + _mm("bhij,bhjv->bhiv", intra_c, v_new, prec)
-        return s * dec_c[..., None, None] + _mm("bhlk,bhlv->bhkv", k_c, v_new, prec), o
+        v_new = u_c - gdn_einsum("bhlk,bhkv->bhlv", w_c, s, prec)
+        o = gdn_einsum("bhlk,bhkv->bhlv", q_c, s, prec) + gdn_einsum("bhij,bhjv->bhiv", intra_c, v_new, prec)
+        return s * dec_c[..., None, None] + gdn_einsum("bhlk,bhlv->bhkv", k_c, v_new, prec), o
 
     chunk_major = (jnp.moveaxis(x, 1, 0) for x in (u, w, q, k, intra, decay))  # lax.scan walks axis 0
     state, out = jax.lax.scan(step, state, tuple(chunk_major))
@@ -173,34 +173,34 @@ def sequential_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Arr
 
 
 def _entering_states(u: jax.Array, w: jax.Array, k: jax.Array, decay: jax.Array, state: jax.Array,
-                     prec: jax.lax.Precision | None) -> jax.Array:
+                     prec: GdnPrecision) -> jax.Array:
     """The state entering each chunk and the final one: [B, n + 1, H, Dk, Dv] (shapes as above)."""
     dk = w.shape[-1]
-    a = decay[..., None, None] * jnp.eye(dk, dtype=w.dtype) - _mm("bnhlk,bnhlj->bnhkj", k, w, prec)  # A_c
-    b = _mm("bnhlk,bnhlv->bnhkv", k, u, prec)  # b_c [B, n, H, Dk, Dv]
+    a = decay[..., None, None] * jnp.eye(dk, dtype=w.dtype) - gdn_einsum("bnhlk,bnhlj->bnhkj", k, w, prec)  # A_c
+    b = gdn_einsum("bnhlk,bnhlv->bnhkv", k, u, prec)  # b_c [B, n, H, Dk, Dv]
 
     def compose(first: tuple[jax.Array, jax.Array], then: tuple[jax.Array, jax.Array]
                 ) -> tuple[jax.Array, jax.Array]:  # the map `first` followed by `then`
         (a1, b1), (a2, b2) = first, then
-        return _mm("...ij,...jk->...ik", a2, a1, prec), _mm("...ij,...jv->...iv", a2, b1, prec) + b2
+        return gdn_einsum("...ij,...jk->...ik", a2, a1, prec), gdn_einsum("...ij,...jv->...iv", a2, b1, prec) + b2
 
     through_a, through_b = jax.lax.associative_scan(compose, (a, b), axis=1)  # chunks 0..c composed
-    after = _mm("bnhkj,bhjv->bnhkv", through_a, state, prec) + through_b  # state after chunk c
+    after = gdn_einsum("bnhkj,bhjv->bnhkv", through_a, state, prec) + through_b  # state after chunk c
     return jnp.concatenate([state[:, None], after], axis=1)
 
 
 def _outputs(u: jax.Array, w: jax.Array, q: jax.Array, intra: jax.Array, states: jax.Array,
-             prec: jax.lax.Precision | None) -> tuple[jax.Array, jax.Array]:
+             prec: GdnPrecision) -> tuple[jax.Array, jax.Array]:
     """Every chunk's output at once from the states entering it, states [B, n + 1, H, Dk, Dv] (the
     last one final) -> (out [B, n, H, L, Dv], final state)."""
     entering = states[:, :-1]  # [B, n, H, Dk, Dv]
-    v_new = u - _mm("bnhlk,bnhkv->bnhlv", w, entering, prec)
-    out = _mm("bnhlk,bnhkv->bnhlv", q, entering, prec) + _mm("bnhij,bnhjv->bnhiv", intra, v_new, prec)
+    v_new = u - gdn_einsum("bnhlk,bnhkv->bnhlv", w, entering, prec)
+    out = gdn_einsum("bnhlk,bnhkv->bnhlv", q, entering, prec) + gdn_einsum("bnhij,bnhjv->bnhiv", intra, v_new, prec)
     return out, states[:, -1]
 
 
 def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
-                             decay: jax.Array, state: jax.Array, prec: jax.lax.Precision | None
+                             decay: jax.Array, state: jax.Array, prec: GdnPrecision
                              ) -> tuple[jax.Array, jax.Array]:
     """As `sequential_chunk_states`, with every chunk's entering state from one associative scan."""
     states = jax.checkpoint(_entering_states, static_argnums=(5,))(u, w, k, decay, state, prec)
@@ -208,7 +208,7 @@ def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Ar
 
 
 def pallas_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
-                        decay: jax.Array, state: jax.Array, prec: jax.lax.Precision | None
+                        decay: jax.Array, state: jax.Array, prec: GdnPrecision
                         ) -> tuple[jax.Array, jax.Array]:
     """As `sequential_chunk_states`, with every chunk's entering state from the Pallas recurrence kernel."""
     states = pallas_entering_states(u, w, k, decay, state, prec)

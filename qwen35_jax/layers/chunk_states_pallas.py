@@ -21,7 +21,8 @@ v_c = u_c - w_c S_c, dv_c = k_c G_c+1, du_c = dv_c, dw_c = -dv_c S_c^T, dk_c = v
 dd_c = <S_c, G_c+1>, and the initial state's gradient is G_0.
 
 Everything is float32; the matmuls run at `prec` (None: TF32 tensor cores on a GPU, HIGHEST: IEEE
-float32). Off a GPU the kernel runs interpreted (tests).
+float32, "bf16": both operands rounded to bfloat16, the keys read as bfloat16; `gdn_matmul.py`).
+Off a GPU the kernel runs interpreted (tests).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ from jax import lax
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+
+from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, gdn_einsum, round_to_bf16
 
 CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.gdn_remat)
 # (state columns per program, Triton warps per program): [Dk, 64] float32 lives in registers at
@@ -68,7 +71,7 @@ def kernel_fits(dk: int, dv: int, chunk: int) -> bool:
 
 
 def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_ref, *, n: int, reverse: bool,
-                       prec):
+                       prec, interpret: bool):
     # p_ref, q_ref [n, L, Dk]; b_ref [n, L, BV] or None; decay_ref [n]; first_ref [Dk, BV];
     # add_ref [n + 1, Dk, BV] or None; out_ref [n + 1, Dk, BV]
     x = first_ref[...]
@@ -76,17 +79,26 @@ def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_r
 
     def step(i, x):  # x [Dk, BV] float32
         c = n - 1 - i if reverse else i
-        rhs = -jnp.dot(q_ref[c], x, precision=prec, preferred_element_type=jnp.float32)  # [L, BV]
+        rhs = -_dot(q_ref[c], x, (((1,), (0,)), ((), ())), prec, interpret)  # [L, BV]
         if b_ref is not None:
             rhs = rhs + b_ref[c]
-        x = decay_ref[c] * x + lax.dot_general(p_ref[c], rhs, (((0,), (0,)), ((), ())), precision=prec,
-                                               preferred_element_type=jnp.float32)
+        x = decay_ref[c] * x + _dot(p_ref[c], rhs, (((0,), (0,)), ((), ())), prec, interpret)
         if add_ref is not None:
             x = x + add_ref[c]
         out_ref[c if reverse else c + 1] = x
         return x
 
     lax.fori_loop(0, n, step, x)
+
+
+def _dot(a: jax.Array, b: jax.Array, dims: tuple, prec: GdnPrecision, interpret: bool) -> jax.Array:
+    """A float32 product of two tiles at `prec` (bf16: both rounded to bfloat16 first; interpreted, as
+    `gdn_matmul.gdn_einsum` does it on CPU)."""
+    if bf16_operands(prec) and interpret:
+        a, b, prec = round_to_bf16(a), round_to_bf16(b), lax.Precision.HIGHEST
+    elif bf16_operands(prec):
+        a, b, prec = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
+    return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
 def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Array, first: jax.Array,
@@ -99,6 +111,8 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
     """
     B, n, H, L, Dk = p.shape
     Dv = first.shape[-1]
+    if bf16_operands(prec):  # the kernel would round them anyway: read half the bytes
+        p, q = p.astype(jnp.bfloat16), q.astype(jnp.bfloat16)
     block_v, num_warps = _blocks.get()
     bv = min(block_v, Dv)
     if Dv % bv:
@@ -124,7 +138,7 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
         decay_ref, first_ref = refs.pop(0), refs.pop(0)
         add_ref = refs.pop(0) if add is not None else None
         _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, *refs, n=n, reverse=reverse,
-                           prec=prec)
+                           prec=prec, interpret=interpret)
 
     return pl.pallas_call(
         kernel,
@@ -156,7 +170,7 @@ def _entering_states_bwd(prec, interpret, res, d_states):
     grads = _recurrence(w, k, None, decay, d_states[:, -1], d_states, reverse=True, prec=prec,
                         interpret=interpret)
     h, g_next = states[:, :-1], grads[:, 1:]  # S_c and G_c+1, [B, n, H, Dk, Dv]
-    mm = functools.partial(jnp.einsum, precision=prec)
+    mm = functools.partial(gdn_einsum, prec=prec)
     v = u - mm("bnhlk,bnhkv->bnhlv", w, h)
     dv = mm("bnhlk,bnhkv->bnhlv", k, g_next)  # [B, n, H, L, Dv]
     dw = -mm("bnhlv,bnhkv->bnhlk", dv, h)
@@ -174,7 +188,7 @@ def pallas_entering_states(
     k: jax.Array,  # [B, n, H, L, Dk] float32
     decay: jax.Array,  # [B, n, H] float32
     state: jax.Array,  # [B, H, Dk, Dv] float32
-    prec: jax.lax.Precision | None,
+    prec: GdnPrecision,
     *,
     interpret: bool | None = None,
 ) -> jax.Array:  # [B, n + 1, H, Dk, Dv] float32

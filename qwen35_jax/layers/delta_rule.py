@@ -18,58 +18,17 @@ document (trailing padding does not change it). All arithmetic is float32.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
 from qwen35_jax.layers.chunk_states import CHUNK_STATES, chunk_scan_for
+from qwen35_jax.layers.gdn_matmul import gdn_einsum, resolve_gdn_precision
 from qwen35_jax.layers.tiling import delta_rule_tile, tiled_delta_rule
 from qwen35_jax.layers.triangular import unit_lower_inverse
 
 _HI = jax.lax.Precision.HIGHEST
-
-# Matmul precision of the chunked form. "auto": "highest" on CPU (float32 matmuls there cost the same
-# at any precision), "default" elsewhere. "default" passes no precision, so `jax_default_matmul_precision`
-# decides: on GPU float32 operands then go through TF32 tensor cores ("highest" would run them as
-# several bf16 passes or without tensor cores; the GDN core at Precision.HIGHEST vs DEFAULT on an H200
-# is a stage of scripts/device_check.sh).
-GDN_PRECISIONS = ("auto", "highest", "high", "default")
-_PRECISION_OF = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH, "default": None}
-_precision: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_precision", default="auto")
-
-
-@contextlib.contextmanager
-def gdn_precision(name: str | None) -> Iterator[None]:
-    """Matmul precision (GDN_PRECISIONS) of delta rules traced inside the block; None leaves it as is.
-    Like any trace-time setting it must wrap the first trace of a jitted step."""
-    if name is None:
-        yield
-        return
-    check_gdn_precision(name)
-    token = _precision.set(name)
-    try:
-        yield
-    finally:
-        _precision.reset(token)
-
-
-def check_gdn_precision(name: str) -> None:
-    """One-line ValueError unless `name` is one of GDN_PRECISIONS."""
-    if name not in GDN_PRECISIONS:
-        raise ValueError(f"GDN matmul precision must be one of {GDN_PRECISIONS}, got {name!r}")
-
-
-def resolve_gdn_precision(name: str | None = None) -> jax.lax.Precision | None:
-    """The `precision=` argument for `name` (None: the `gdn_precision` context) on this backend."""
-    name = _precision.get() if name is None else name
-    check_gdn_precision(name)
-    if name == "auto":
-        name = "highest" if jax.default_backend() == "cpu" else "default"
-    return _PRECISION_OF[name]
 
 
 def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state, *, repeat_keys=True):
@@ -166,8 +125,8 @@ def chunked_gated_delta_rule(
     Document boundaries are masks on the intra-chunk decay matrix, on which tokens read the carried
     state, and on which tokens (and whether the old state) enter the state carried out of a chunk.
     Key heads are not repeated: the two Gram matrices (q k^T, k k^T) are formed once per key head and
-    broadcast over its G = Hv / Hk value heads. `precision` (see GDN_PRECISIONS; None: the
-    `gdn_precision` context) is that of the matmuls with a head-dim contraction; the triangular
+    broadcast over its G = Hv / Hk value heads. `precision` (`gdn_matmul.GDN_PRECISIONS`; None:
+    the `gdn_precision` context) is that of the matmuls with a head-dim contraction; the triangular
     inverse is always float32 at HIGHEST.
     """
     if chunk_size < 1:
@@ -213,15 +172,15 @@ def chunked_gated_delta_rule(
     cum = jnp.cumsum(g, axis=-1)  # [B, n, Hk, G, L]
     diff = cum[..., :, None] - cum[..., None, :]  # [B, n, Hk, G, L, L]
     decay = jnp.where(pair_mask, jnp.exp(jnp.where(pair_mask, diff, 0.0)), 0.0)
-    kk = jnp.einsum("...id,...jd->...ij", k, k, precision=prec)  # [B, n, Hk, 1, L, L]
-    qk = jnp.einsum("...id,...jd->...ij", q, k, precision=prec)
+    kk = gdn_einsum("...id,...jd->...ij", k, k, prec)  # [B, n, Hk, 1, L, L]
+    qk = gdn_einsum("...id,...jd->...ij", q, k, prec)
 
     # Unit lower-triangular system (I + A) with A = strict_tril(k_beta k^T * decay), k_beta = beta * k.
     inverse = unit_lower_inverse(beta[..., None] * kk * decay)  # [B, n, Hk, G, L, L]
     read = jnp.exp(cum) * reads_state  # [B, n, Hk, G, L]
     rhs = jnp.concatenate([v * beta[..., None], jnp.broadcast_to(k, (*v.shape[:-1], Dk)) *
                            (beta * read)[..., None]], axis=-1)
-    sol = jnp.einsum("...ij,...jd->...id", inverse, rhs, precision=prec)
+    sol = gdn_einsum("...ij,...jd->...id", inverse, rhs, prec)
     u, w = sol[..., :Dv], sol[..., Dv:]  # u [.., L, Dv]: new values; w [.., L, Dk]: decayed keys reading S
 
     intra = qk * decay  # [B, n, Hk, G, L, L]

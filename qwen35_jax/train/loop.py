@@ -246,7 +246,7 @@ def loop(run: Run, stop: StopRequest) -> int:
     run.eval_start = run.eval_stream.get_state() if run.eval_stream is not None else None
     rows, saved, step = [], run.start_step, run.start_step
     try:
-        with kernel_choices(options.attention, options.gdn_sp_mode), jax.set_mesh(run.mesh):
+        with kernel_choices(options.attention, options.gdn_sp_mode, options.gdn_precision), jax.set_mesh(run.mesh):
             bad_in_a_row = 0
             while step < options.steps and not stop.agreed():
                 step += 1

@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS
+from qwen35_jax.config import GDN_PRECISIONS, REMAT_POLICIES, SCAN_LAYERS_FLAGS
 
 CHOICES = {
     "objective": ("sft", "ppo"),
@@ -30,6 +30,7 @@ CHOICES = {
     "logprob_backend": ("auto", "xla", "pallas", "reference"),
     "lm_head": ("gather", "vocab_parallel"),
     "gdn_sp_mode": ("all_to_all", "state_passing"),
+    "gdn_precision": GDN_PRECISIONS,
     "long_rows": ("truncate", "split", "drop"),
     "bad_rows": ("skip", "stop"),
     "remat": REMAT_POLICIES,
@@ -96,6 +97,9 @@ class TrainOptions:
     logprob_backend: str = _opt("auto", "fused log-prob kernel: auto, xla, pallas, reference", "parallelism")
     lm_head: str = _opt("gather", "lm_head under sp: gather or vocab_parallel", "parallelism")
     gdn_sp_mode: str = _opt("all_to_all", "GDN sequence parallelism: all_to_all or state_passing", "parallelism")
+    gdn_precision: str = _opt("auto", "matmul precision of the GDN chunked form: auto (highest on CPU, default "
+                                      "elsewhere), highest, high, default (TF32 on GPU), bf16 (bfloat16 operands, "
+                                      "float32 accumulation; docs/gated_deltanet.md)", "parallelism")
     # --- checkpoints, evaluation, logging
     save_every: int = _opt(100, "checkpoint every N steps (and at the end)", "run control")
     keep: int = _opt(3, "checkpoints kept", "run control")
@@ -141,8 +145,8 @@ class TrainOptions:
 # Fields that may change when a run resumes: they change how it runs, not what it computes.
 RESUMABLE_CHANGES = frozenset({
     "model", "out", "steps", "mesh", "grad_accum", "compute_dtype", "remat", "scan_layers", "attention",
-    "logprob_backend", "lm_head", "gdn_sp_mode", "save_every", "keep", "eval_every", "eval_batches", "eval_data",
-    "max_bad_steps", "peak_tflops", "progress", "data_workers", "tokenizer"})
+    "logprob_backend", "lm_head", "gdn_sp_mode", "gdn_precision", "save_every", "keep", "eval_every", "eval_batches",
+    "eval_data", "max_bad_steps", "peak_tflops", "progress", "data_workers", "tokenizer"})
 
 
 def flag(name: str) -> str:

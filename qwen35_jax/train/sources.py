@@ -40,7 +40,7 @@ def _synthetic(options: TrainOptions, config: Qwen35Config, batch_size: int, mes
     if options.objective == "ppo":  # on-policy: the behaviour policy is the starting model
         from qwen35_jax.kernel_choices import kernel_choices
         from qwen35_jax.scoring import score_batches
-        with kernel_choices(options.attention, options.gdn_sp_mode):
+        with kernel_choices(options.attention, options.gdn_sp_mode, options.gdn_precision):
             data["old_log_probs"], _ = score_batches(
                 nnx.merge(graphdef, params), data["tokens"], None, mesh=mesh, temperature=options.temperature,
                 backend=options.logprob_backend, lm_head_mode=options.lm_head)

@@ -1,0 +1,78 @@
+"""The matmul precision of the delta rule's chunked form, and the einsum that applies it.
+
+"auto" is "highest" on CPU (float32 matmuls cost the same at any precision there) and "default"
+elsewhere. "default" passes no precision, so `jax_default_matmul_precision` decides: on a GPU float32
+operands then go through TF32 tensor cores ("highest" would run them as several bf16 passes or
+without tensor cores). "bf16" rounds both operands to bfloat16 and accumulates in float32, as FLA's
+kernels feed their matmuls: the arrays between the matmuls are then stored at half the bytes.
+States, accumulation and the triangular inverse stay float32 in every setting.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
+import jax
+import jax.numpy as jnp
+
+from qwen35_jax.config import GDN_PRECISIONS
+
+BF16_OPERANDS = "bf16"  # the resolved value of "bf16" (the others resolve to a jax.lax.Precision or None)
+GdnPrecision = jax.lax.Precision | str | None
+_PRECISION_OF = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH, "default": None,
+                 "bf16": BF16_OPERANDS}
+_precision: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_precision", default="auto")
+
+
+@contextlib.contextmanager
+def gdn_precision(name: str | None) -> Iterator[None]:
+    """Matmul precision (GDN_PRECISIONS) of delta rules traced inside the block; None leaves it as is.
+    Like any trace-time setting it must wrap the first trace of a jitted step."""
+    if name is None:
+        yield
+        return
+    check_gdn_precision(name)
+    token = _precision.set(name)
+    try:
+        yield
+    finally:
+        _precision.reset(token)
+
+
+def check_gdn_precision(name: str) -> None:
+    """One-line ValueError unless `name` is one of GDN_PRECISIONS."""
+    if name not in GDN_PRECISIONS:
+        raise ValueError(f"GDN matmul precision must be one of {GDN_PRECISIONS}, got {name!r}")
+
+
+def resolve_gdn_precision(name: str | None = None) -> GdnPrecision:
+    """What `gdn_einsum` takes for `name` (None: the `gdn_precision` context) on this backend."""
+    name = _precision.get() if name is None else name
+    check_gdn_precision(name)
+    if name == "auto":
+        name = "highest" if jax.default_backend() == "cpu" else "default"
+    return _PRECISION_OF[name]
+
+
+def bf16_operands(prec: GdnPrecision) -> bool:
+    return isinstance(prec, str) and prec == BF16_OPERANDS
+
+
+def round_to_bf16(x: jax.Array) -> jax.Array:
+    """x rounded to bfloat16 and held as float32: a product of two such values is exact in float32, so
+    a float32 matmul of them equals a bf16 x bf16 -> float32 one (up to summation order)."""
+    return x.astype(jnp.bfloat16).astype(jnp.float32)
+
+
+def gdn_einsum(spec: str, a: jax.Array, b: jax.Array, prec: GdnPrecision) -> jax.Array:
+    """`jnp.einsum(spec, a, b)` of float32 operands at `prec` (a `resolve_gdn_precision` value), float32 out.
+
+    bf16 operands on CPU are rounded and multiplied in float32 (the same values): XLA:CPU's dot
+    thunk has no bf16 x bf16 -> float32 form for some of these einsums outside a fused program."""
+    if bf16_operands(prec):
+        if jax.default_backend() == "cpu":
+            return jnp.einsum(spec, round_to_bf16(a), round_to_bf16(b), precision=jax.lax.Precision.HIGHEST)
+        return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+    return jnp.einsum(spec, a, b, precision=prec)
