@@ -22,9 +22,9 @@ from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
 @contextlib.contextmanager
 def kernel_choices(attention: str = "auto", gdn_mode: str = "all_to_all",
-                   gdn_matmul_precision: str = "auto") -> Iterator[None]:
+                   gdn_matmul_precision: str | None = None) -> Iterator[None]:
     """Trace everything inside with attention implementation `attention`, GDN SP mode `gdn_mode` and
-    the GDN chunked form's matmul precision `gdn_matmul_precision`."""
+    the GDN chunked form's matmul precision `gdn_matmul_precision` (None: as the context has it)."""
     with attention_implementation(attention), gdn_sp_mode(gdn_mode), gdn_precision(gdn_matmul_precision):
         yield
 

@@ -60,8 +60,13 @@ def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
         return rows[0]["ours"]["median_s"]
 
     assert step_time("train_step.json") > 0
-    for i in range(len(variants)):
-        assert step_time(f"train_variant_{i}.json") > 0, variants[i]
+    for i, variant in enumerate(variants):
+        assert step_time(f"train_variant_{i}.json") > 0, variant
+        ours = json.loads((tmp_path / f"train_variant_{i}.json").read_text())["runs"][0]["ours"]
+        flags = variant.split()
+        for flag, key in (("--gdn-precision", "gdn_precision"), ("--attention", "attention")):
+            if flag in flags:  # the variant's setting reached the timed step
+                assert ours[key] == flags[flags.index(flag) + 1], (variant, ours)
     core = json.loads((tmp_path / "gdn_core.json").read_text())["runs"][0]
     timed = [k for k in core if k.startswith("ours ")]
     assert len(timed) == 9 and all(core[k]["median_s"] > 0 for k in timed)  # 3 precisions x 3 blocks

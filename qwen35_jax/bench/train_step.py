@@ -81,11 +81,13 @@ def planned_runs(
 def ours_step(config: Qwen35Config, tokens: np.ndarray, attention: str = "auto",
               logprob_backend: str = "auto") -> Callable[[], None]:
     """One of our train steps on `tokens` [B, S] (int), on one device, as a callable that blocks until
-    done; its `.remat()` says what remat "auto" chose, once it has run."""
+    done; once it has run, `.remat()` says what remat "auto" chose and `.gdn_precision` the GDN
+    matmul precision it was traced with."""
     import jax
     from flax import nnx
 
     from qwen35_jax.kernel_choices import kernel_choices
+    from qwen35_jax.layers.gdn_matmul import current_gdn_precision
     from qwen35_jax.model import Qwen35ForCausalLM
     from qwen35_jax.parallel.mesh import create_sharded, make_mesh
     from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule, place_batch
@@ -104,6 +106,7 @@ def ours_step(config: Qwen35Config, tokens: np.ndarray, attention: str = "auto",
 
     def run() -> None:
         with jax.set_mesh(mesh), kernel_choices(attention=attention):  # the first call traces
+            run.gdn_precision = current_gdn_precision()
             state[0], state[1], metrics = step(state[0], state[1], batch)
             jax.block_until_ready(metrics)
 
@@ -164,7 +167,8 @@ def time_train_step(
     row = {"config": name, "batch": batch, "seq": seq, "remat": remat, "dtype": config.dtype,
            "model_tflops_per_step": train_flops(config, batch, seq) / 1e12, **timings}
     if "ours" in fns:
-        row["ours"].update(attention=attention, logprob_backend=logprob_backend)
+        row["ours"].update(attention=attention, logprob_backend=logprob_backend,
+                           gdn_precision=fns["ours"].gdn_precision)  # as the step was traced
         if profile_dir:  # the trace lands in profile_dir/<name>/plugins/profile/<run>/
             try:
                 with jax.profiler.trace(os.path.join(profile_dir, name)):

@@ -41,6 +41,11 @@ def gdn_precision(name: str | None) -> Iterator[None]:
         _precision.reset(token)
 
 
+def current_gdn_precision() -> str:
+    """The `gdn_precision` context's name (GDN_PRECISIONS), unresolved."""
+    return _precision.get()
+
+
 def check_gdn_precision(name: str) -> None:
     """One-line ValueError unless `name` is one of GDN_PRECISIONS."""
     if name not in GDN_PRECISIONS:
