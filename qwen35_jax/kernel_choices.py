@@ -2,9 +2,9 @@
 
 Attention implementation (`auto|xla|pallas`), fused log-prob backend, lm_head mode, GDN
 sequence-parallel mode and the GDN matmul precision are chosen per run; attention, GDN mode and
-precision are trace-time contexts entered here. When a
-step fails on a GPU or TPU while a Pallas kernel is selected, `explain_compile_failure` names the flags
-that fall back to XLA, so nobody has to edit code to get going.
+precision are trace-time contexts entered here. When a step fails on a GPU or TPU while a Pallas
+kernel is selected, `explain_compile_failure` names the flags that fall back to XLA, so nobody has to
+edit code to get going.
 """
 
 from __future__ import annotations

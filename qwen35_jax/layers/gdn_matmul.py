@@ -5,7 +5,8 @@ elsewhere. "default" passes no precision, so `jax_default_matmul_precision` deci
 operands then go through TF32 tensor cores ("highest" would run them as several bf16 passes or
 without tensor cores). "bf16" rounds both operands to bfloat16 and accumulates in float32, as FLA's
 kernels feed their matmuls: the arrays between the matmuls are then stored at half the bytes.
-States, accumulation and the triangular inverse stay float32 in every setting.
+Whatever the setting, the carried state, every sum and the triangular inverse are computed and kept
+in float32; "bf16" rounds only what enters a matmul.
 """
 
 from __future__ import annotations
