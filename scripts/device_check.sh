@@ -293,10 +293,13 @@ if [[ ",$STAGES," == *,train,* ]]; then
   else
     shape=(--preset 0.8B --seq 8192 --core-seq 8192 --core-heads 16 --core-dim 128)
   fi
-  train() {  # bench_train with the stage's shapes and any further flags; log appended
+  train() {  # bench_train with the stage's shapes and any further flags; log appended, with its wall time
+    local start=$SECONDS rc
     timeout "${TRAIN_LIMIT_S:-330}" "${PYTHON:-python3}" scripts/bench_train.py "${shape[@]}" \
       --dtype bfloat16 --steps 3 --skip-torch --peak-tflops 989 "$@" 2>&1 | tee -a "$OUT/train_step_log.txt"
-    return "${PIPESTATUS[0]}"
+    rc=${PIPESTATUS[0]}
+    echo "== took $((SECONDS - start)) s, exit $rc: bench_train $*" | tee -a "$OUT/train_step_log.txt"
+    return "$rc"
   }
   : >"$OUT/train_step_log.txt"
   # the step's optimised HLO names the fusions the trace shows (CUDA graphs hide them from xprof's

@@ -71,3 +71,5 @@ def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
     timed = [k for k in core if k.startswith("ours ")]
     assert len(timed) == 9 and all(core[k]["median_s"] > 0 for k in timed)  # 3 precisions x 3 blocks
     assert (tmp_path / "train_step_hlo.txt.gz").stat().st_size > 0
+    took = re.findall(r"^== took (\d+) s, exit 0: bench_train", (tmp_path / "train_step_log.txt").read_text(), re.M)
+    assert len(took) == 2 + len(variants)  # every call's wall time, for budgeting a lease
