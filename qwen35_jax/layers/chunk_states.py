@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -42,6 +42,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from qwen35_jax.layers.chunk_states_pallas import CHUNK_STATES_NAME, kernel_fits, pallas_entering_states
 from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, gdn_einsum
+from qwen35_jax.layers.trace_setting import scoped
 
 GDN_CHUNK_SCANS = ("auto", "sequential", "associative", "pallas")
 _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", default="auto")
@@ -58,20 +59,9 @@ GDN_REMATS = ("auto", "none", "states")
 _remat: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_remat", default="auto")
 
 
-@contextlib.contextmanager
-def _setting(var: contextvars.ContextVar[str], value: str | None) -> Iterator[None]:
-    """`var` set to `value` inside the block (None: left as is)."""
-    token = var.set(value) if value is not None else None
-    try:
-        yield
-    finally:
-        if token is not None:
-            var.reset(token)
-
-
 def gdn_remat(name: str | None) -> contextlib.AbstractContextManager[None]:
     """What GDN mixers traced inside the block keep for the backward (GDN_REMATS); None: as is."""
-    return _setting(_remat, None if name is None else resolve_gdn_remat(name, on_backend=False))
+    return contextlib.nullcontext() if name is None else scoped(_remat, resolve_gdn_remat(name, on_backend=False))
 
 
 def resolve_gdn_remat(name: str | None = None, *, on_backend: bool = True) -> str:
@@ -95,7 +85,9 @@ def apply_gdn_remat(fn: Callable[..., Any]) -> Callable[..., Any]:
 def gdn_chunk_scan(name: str | None) -> contextlib.AbstractContextManager[None]:
     """Chunk-state scan (GDN_CHUNK_SCANS) of delta rules traced inside the block; None leaves it as is.
     Like any trace-time setting it must wrap the first trace of a jitted step."""
-    return _setting(_scan, None if name is None else resolve_gdn_chunk_scan(name, on_backend=False))
+    if name is None:
+        return contextlib.nullcontext()
+    return scoped(_scan, resolve_gdn_chunk_scan(name, on_backend=False))
 
 
 def resolve_gdn_chunk_scan(name: str | None = None, *, on_backend: bool = True) -> str:

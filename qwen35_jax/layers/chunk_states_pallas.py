@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, gdn_einsum, round_to_bf16
+from qwen35_jax.layers.trace_setting import scoped
 
 CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.gdn_remat)
 # (state columns per program, Triton warps per program): [Dk, 64] float32 lives in registers at
@@ -49,18 +49,13 @@ _blocks: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("gdn_k
                                                                          default=DEFAULT_BLOCKS)
 
 
-@contextlib.contextmanager
-def gdn_kernel_blocks(block_v: int, num_warps: int) -> Iterator[None]:
+def gdn_kernel_blocks(block_v: int, num_warps: int) -> contextlib.AbstractContextManager[None]:
     """Kernels traced inside the block take `block_v` state columns per program and `num_warps` warps
     (benchmarks sweep them; a power of two >= 16, and 1, 2, 4 or 8)."""
     if block_v < 16 or block_v & (block_v - 1) or num_warps not in (1, 2, 4, 8):
         raise ValueError(f"GDN kernel blocks: block_v must be a power of two >= 16 and num_warps 1, 2, 4 or 8, "
                          f"got {block_v} and {num_warps}")
-    token = _blocks.set((block_v, num_warps))
-    try:
-        yield
-    finally:
-        _blocks.reset(token)
+    return scoped(_blocks, (block_v, num_warps))
 
 
 def kernel_fits(dk: int, dv: int, chunk: int) -> bool:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
 
 from qwen35_jax.config import GDN_PRECISIONS
+from qwen35_jax.layers.trace_setting import scoped
 
 BF16_OPERANDS = "bf16"  # the resolved value of "bf16" (the others resolve to a jax.lax.Precision or None)
 GdnPrecision = jax.lax.Precision | str | None
@@ -27,19 +27,13 @@ _PRECISION_OF = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision
 _precision: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_precision", default="auto")
 
 
-@contextlib.contextmanager
-def gdn_precision(name: str | None) -> Iterator[None]:
+def gdn_precision(name: str | None) -> contextlib.AbstractContextManager[None]:
     """Matmul precision (GDN_PRECISIONS) of delta rules traced inside the block; None leaves it as is.
     Like any trace-time setting it must wrap the first trace of a jitted step."""
     if name is None:
-        yield
-        return
+        return contextlib.nullcontext()
     check_gdn_precision(name)
-    token = _precision.set(name)
-    try:
-        yield
-    finally:
-        _precision.reset(token)
+    return scoped(_precision, name)
 
 
 def current_gdn_precision() -> str:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,7 @@ from qwen35_jax.layers.chunk_states import apply_gdn_remat
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.norms import gated_rms_norm
+from qwen35_jax.layers.trace_setting import scoped
 from qwen35_jax.parallel.mesh import FSDP, SP, mesh_axis_size
 
 GDN_STATE_SCOPE = "gdn_state_passing"
@@ -40,17 +40,12 @@ GDN_MODES = ("all_to_all", "state_passing")
 _mode: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_sp_mode", default="all_to_all")
 
 
-@contextlib.contextmanager
-def gdn_sp_mode(mode: str) -> Iterator[None]:
+def gdn_sp_mode(mode: str) -> contextlib.AbstractContextManager[None]:
     """Choose how GDN layers traced inside the block run under sp: "all_to_all" (default) or
     "state_passing"."""
     if mode not in GDN_MODES:
         raise ValueError(f"GDN sequence-parallel mode {mode!r} is not one of {GDN_MODES}")
-    token = _mode.set(mode)
-    try:
-        yield
-    finally:
-        _mode.reset(token)
+    return scoped(_mode, mode)
 
 
 def current_gdn_mode() -> str:

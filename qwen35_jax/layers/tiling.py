@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -27,22 +27,18 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from qwen35_jax.layers.trace_setting import scoped
 from qwen35_jax.parallel.mesh import FSDP, SP, auto_mesh, constrain, mesh_axis_size
 
 DEFAULT_SEQUENCE_TILE = 8192  # tokens per tile of each device's shard
 _tile: contextvars.ContextVar[int | None] = contextvars.ContextVar("sequence_tile", default=DEFAULT_SEQUENCE_TILE)
 
 
-@contextlib.contextmanager
-def sequence_tile(tokens: int | None) -> Iterator[None]:
+def sequence_tile(tokens: int | None) -> contextlib.AbstractContextManager[None]:
     """Tile token-local work and the delta rule in tiles of `tokens` (None or 0: no tiling)."""
     if tokens is not None and tokens < 0:
         raise ValueError(f"sequence tile must be >= 0 tokens (0 or None: off), got {tokens}")
-    token = _tile.set(tokens or None)
-    try:
-        yield
-    finally:
-        _tile.reset(token)
+    return scoped(_tile, tokens or None)
 
 
 def current_sequence_tile() -> int | None:
