@@ -8,6 +8,8 @@ backward pass, so that no [tokens, intermediate] buffer exists for the whole seq
   carried from tile to tile (reset where a document starts at a tile's first token). The backward
   keeps one state per tile and recomputes the chunk states and intra-chunk matrices of one tile at
   a time. Exact up to float32 rounding.
+- `tile_scan(one, ...)`: the state-carrying loop over tiles behind `tiled_delta_rule` and
+  `gdn_tiling.tiled_gdn_core`, with its backward written out.
 
 `with sequence_tile(tokens):` sets the tile for everything traced inside it (read at trace time,
 like `gdn_sp_mode`: set it around the first trace of a jitted step); `None` or 0 turns tiling off.
@@ -125,6 +127,72 @@ def _tiles_backward(one: Callable[[Any, jax.Array], jax.Array], tile: int, saved
 _tiles_in_place.defvjp(_tiles_forward, _tiles_backward)
 
 
+def _entering(state: jax.Array, reset: jax.Array) -> jax.Array:  # [B, H, Dk, Dv], [B] -> [B, H, Dk, Dv]
+    """The state a tile starts from: the previous tile's, or zero where a document starts at its first token."""
+    return jnp.where(reset[:, None, None, None], 0.0, state)
+
+
+# one(state, tile_inputs, weights, tile_ids) -> (out, state after the tile)
+TileStep = Callable[[jax.Array, tuple[jax.Array, ...], Any, tuple[jax.Array, ...]], tuple[jax.Array, jax.Array]]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def tile_scan(one: TileStep, state0: jax.Array, tiles: tuple[jax.Array, ...], weights: Any,
+              ids: tuple[jax.Array, ...], reset: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`one` over the tiles in order (tiles, ids: [n, ...] each; reset [n, B]), the state carried from
+    tile to tile and dropped where `reset` says a document starts at a tile's first token. Returns
+    every tile's output stacked [n, ...] and the state after the last tile.
+
+    Differentiated by hand (`_tile_scan_backward`): autodiff of the scan would build the stacked
+    input cotangents from zero-filled buffers that the compiler is free to allocate as early as it
+    likes; XLA:CPU allocated those of every layer of a recomputed block when the block's backward
+    started (12 GiB at the 9B's 1M tokens on sp = 8). Here they are computed from the cotangent."""
+    return _tile_scan_forward(one, state0, tiles, weights, ids, reset)[0]
+
+
+def _tile_scan_forward(one: TileStep, state0: jax.Array, tiles: tuple[jax.Array, ...], weights: Any,
+                       ids: tuple[jax.Array, ...], reset: jax.Array
+                       ) -> tuple[tuple[jax.Array, jax.Array], tuple[Any, ...]]:
+    def body(state: jax.Array, xs: tuple[Any, ...]) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        tile_in, ids_i, reset_i = xs
+        state = _entering(state, reset_i)
+        out, after = one(state, tile_in, weights, ids_i)
+        return after, (out, state)
+
+    final, (out, entering) = jax.lax.scan(body, state0, (tiles, ids, reset))
+    # entering [n, B, H, Dk, Dv] float32: what each tile started from, all the backward needs of the scan
+    return (out, final), (entering, tiles, weights, ids, reset)
+
+
+def _tile_scan_backward(one: TileStep, saved: tuple[Any, ...], cts: tuple[jax.Array, jax.Array]) -> tuple[Any, ...]:
+    """Tiles in reverse order, each recomputed from the state it started from (`jax.vjp` of `one`),
+    the state's cotangent carried backwards from the final state's; every buffer is built from the
+    output cotangent (`zeros_after`)."""
+    entering, tiles, weights, ids, reset = saved
+    d_out, d_final = cts  # [n, ...], [B, H, Dk, Dv]
+    n = d_out.shape[0]
+    d_tiles = tuple(zeros_after(d_out, x.shape, x.dtype) for x in tiles)
+    d_weights = jax.tree.map(lambda w: zeros_after(d_out, w.shape, w.dtype), weights)
+
+    def body(j: jax.Array, carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        d_state, d_tiles, d_weights = carry
+        i = n - 1 - j
+        tile_in = tuple(x[i] for x in tiles)
+        ids_i = tuple(x[i] for x in ids)
+        _, vjp = jax.vjp(lambda st, xs, ws: one(st, xs, ws, ids_i), entering[i], tile_in, weights)
+        d_entering, d_in, d_w = vjp((d_out[i], d_state))
+        d_tiles = tuple(buf.at[i].set(d.astype(buf.dtype)) for buf, d in zip(d_tiles, d_in))
+        d_weights = jax.tree.map(lambda acc, d: acc + d.astype(acc.dtype), d_weights, d_w)
+        return _entering(d_entering, reset[i]), d_tiles, d_weights  # nothing flows past a document start
+
+    d_state0, d_tiles, d_weights = jax.lax.fori_loop(
+        0, n, body, (d_final.astype(entering.dtype), d_tiles, d_weights))
+    return d_state0, d_tiles, d_weights, jax.tree.map(lambda x: None, ids), None
+
+
+tile_scan.defvjp(_tile_scan_forward, _tile_scan_backward)
+
+
 def delta_rule_tile(chunk_size: int) -> int | None:
     """The delta rule's tile: `sequence_tile()` rounded down to whole chunks (None: untiled)."""
     tile = current_sequence_tile()
@@ -156,17 +224,14 @@ def tiled_delta_rule(
     Hv, Dv = v.shape[2:]
     seg = jnp.ones((B, S), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     seg_t = stack_tiles(seg, tile)  # [n, B, tile]
-    reset = document_starts_tile(seg_t)  # [n, B]
     state = jnp.zeros((B, Hv, Dk, Dv), jnp.float32) if initial_state is None else initial_state.astype(jnp.float32)
 
-    @jax.checkpoint
-    def one(state: jax.Array, xs: tuple[jax.Array, ...]) -> tuple[jax.Array, jax.Array]:
-        qt, kt, vt, gt, bt, st, rt = xs
-        state = jnp.where(rt[:, None, None, None], 0.0, state)
-        out, state = rule(qt, kt, vt, gt, bt, segment_ids=st, initial_state=state, chunk_size=chunk_size)
-        return state, out  # [B, Hv, Dk, Dv], [B, tile, Hv, Dv]
+    def one(state: jax.Array, xs: tuple[jax.Array, ...], _: tuple[()], ids_i: tuple[jax.Array]
+            ) -> tuple[jax.Array, jax.Array]:  # entering state -> (out [B, tile, Hv, Dv], state after)
+        return rule(*xs, segment_ids=ids_i[0], initial_state=state, chunk_size=chunk_size)
 
-    state, out = jax.lax.scan(one, state, (*(stack_tiles(x, tile) for x in (q, k, v, g, beta)), seg_t, reset))
+    tiles = tuple(stack_tiles(x, tile) for x in (q, k, v, g, beta))
+    out, state = tile_scan(one, state, tiles, (), (seg_t,), document_starts_tile(seg_t))
     return unstack_tiles(out, S), state
 
 
