@@ -67,4 +67,3 @@ def test_remat_saves_memory_on_cpu_with_the_same_gradients():
         for got, want in zip(jax.tree.leaves(c(ws, x)), jax.tree.leaves(truth)):
             want = np.asarray(want)
             assert np.abs(np.asarray(got, np.float64) - want).max() < 1e-4 * np.abs(want).max(), remat
-

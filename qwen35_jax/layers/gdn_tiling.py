@@ -70,5 +70,3 @@ def tiled_gdn_core(
     state0 = jnp.zeros((B, Hv, Dk, Dv), jnp.float32)
     out, _ = tile_scan(one, state0, tiles, weights, ids, document_starts_tile(seg_t))
     return unstack_tiles(out, S)
-
-

@@ -17,7 +17,6 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 from flax import nnx
 
 from qwen35_jax.checkpoint import _config_dict, load_checkpoint
