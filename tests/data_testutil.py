@@ -1,9 +1,11 @@
 """Shared pieces of the data-pipeline tests: the demo tokenizer (built once) and JSONL writing."""
 
+import atexit
 import functools
 import gzip
 import json
 import os
+import shutil
 import tempfile
 
 from qwen35_jax.data.demo.corpus import conversation, story
@@ -19,7 +21,9 @@ def demo_tokenizer_dir() -> str:
     rng = random.Random(0)
     texts = [story(rng) for _ in range(200)] + [" ".join(m["content"] for m in conversation(rng))
                                                 for _ in range(50)]
-    return build_demo_tokenizer(tempfile.mkdtemp(prefix="demo-tokenizer-"), texts)
+    path = tempfile.mkdtemp(prefix="demo-tokenizer-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return build_demo_tokenizer(path, texts)
 
 
 @functools.cache
