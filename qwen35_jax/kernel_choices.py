@@ -1,6 +1,6 @@
 """The kernel and parallelism choices a user can switch from the command line.
 
-Attention implementation (`auto|xla|pallas`), fused log-prob backend, lm_head mode, GDN
+Attention implementation (`auto|xla|pallas|cudnn`), fused log-prob backend, lm_head mode, GDN
 sequence-parallel mode and the GDN matmul precision are chosen per run; attention, GDN mode and
 precision are trace-time contexts entered here. When a step fails on a GPU or TPU while a Pallas
 kernel is selected, `explain_compile_failure` names the flags that fall back to XLA, so nobody has to
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import jax
 from qwen35_kernels.logprob_entropy.api import resolve_backend
 
-from qwen35_jax.layers.attention_kernels import attention_implementation
+from qwen35_jax.layers.attention_kernels import attention_implementation, resolve_implementation
 from qwen35_jax.layers.gdn_matmul import gdn_precision
 from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
@@ -29,18 +29,30 @@ def kernel_choices(attention: str = "auto", gdn_mode: str = "all_to_all",
         yield
 
 
+def check_kernel_choices(attention: str, compute_dtype: str, flag: str = "--compute-dtype") -> None:
+    """One-line ValueError, before anything is built, for an attention kernel this run cannot use:
+    "cudnn" off a GPU or with float32 compute (cuDNN's flash attention takes bf16/fp16)."""
+    if resolve_implementation(attention) == "cudnn" and compute_dtype not in ("bfloat16", "float16"):
+        raise ValueError(f"--attention cudnn needs {flag} bfloat16 (cuDNN flash attention takes bf16/fp16), "
+                         f"got {compute_dtype}")
+
+
 def explain_compile_failure(err: Exception, *, attention: str, logprob_backend: str) -> str | None:
-    """A one-line message naming the fallback flags, when a Pallas kernel may have caused `err`
-    (never on CPU, where both choices resolve to XLA); None when no fallback applies."""
+    """A one-line message naming the fallback flags, when a Pallas or cuDNN kernel may have caused
+    `err` (never on CPU, where every choice but cuDNN resolves to XLA and cuDNN is refused up front);
+    None when no fallback applies. cuDNN attention falls back to the default (Triton) kernel."""
     if jax.default_backend() == "cpu" or isinstance(err, ValueError):
         return None
     fallbacks = []
-    if attention in ("auto", "pallas"):
+    if attention == "cudnn":
+        fallbacks.append("--attention auto")
+    elif attention in ("auto", "pallas"):
         fallbacks.append("--attention xla")
     if resolve_backend(logprob_backend) == "pallas":
         fallbacks.append("--logprob-backend xla")
     if not fallbacks:
         return None
     first = (str(err).strip().splitlines() or [""])[0][:300]
-    return (f"the first step failed to compile or run ({type(err).__name__}: {first}); if a Pallas kernel "
+    kind = "Pallas or cuDNN" if attention == "cudnn" else "Pallas"
+    return (f"the first step failed to compile or run ({type(err).__name__}: {first}); if a {kind} kernel "
             f"is the cause, rerun with {' and '.join(fallbacks)}")

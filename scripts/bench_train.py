@@ -55,8 +55,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remat", default=None,
                    help="Qwen35Config.remat of our model (default: the config's, auto): true/false or a "
                         "policy name")
-    p.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
-                   help="our attention kernel, as scripts/train.py's --attention (default auto: Pallas on GPU/TPU)")
+    p.add_argument("--attention", choices=["auto", "xla", "pallas", "cudnn"], default="auto",
+                   help="our attention kernel, as scripts/train.py's --attention (default auto: Pallas on GPU/TPU; "
+                        "cudnn: GPU, bfloat16)")
     p.add_argument("--logprob-backend", choices=["auto", "xla", "pallas"], default="auto",
                    help="our fused log-prob backend, as scripts/train.py's (default auto: Pallas on TPU, XLA elsewhere)")
     p.add_argument("--profile", default=None, metavar="DIR",
@@ -142,6 +143,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for value in [args.gdn_chunk_scan, *(args.core_scans or [])]:
         if value is not None and value not in GDN_CHUNK_SCANS:
             p.error(f"GDN chunk scan {value!r} is not one of {GDN_CHUNK_SCANS}")
+    if args.run_ours and not args.cores_only:
+        from qwen35_jax.kernel_choices import check_kernel_choices
+
+        try:
+            check_kernel_choices(args.attention, args.dtype, flag="--dtype")
+        except ValueError as err:
+            p.error(str(err))
     return args
 
 

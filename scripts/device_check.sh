@@ -13,8 +13,9 @@
 #      xla forward+backward, as rates of 8 T D V FLOPs (forward 2, backward recompute 2 + dh 2 + dW 2),
 #      with compile-time scratch memory;
 #   3. attention (qwen35_jax/layers/attention_kernels.py): the Pallas Triton flash kernel with document
-#      masks against the XLA core at S = 4096, 8 query / 2 kv heads, Dh = 256, bf16 (errors against a
-#      float32 reference, forward and forward+backward time, scratch memory, a few block sizes);
+#      masks and cuDNN's (attention_cudnn.py; with max_segments=2 too, which sends the row to its
+#      Triton fallback) against the XLA core at S = 4096, 8 query / 2 kv heads, Dh = 256, bf16 (errors
+#      against a float32 reference, forward and forward+backward time, scratch memory, a few block sizes);
 #   4. a sweep of Triton block sizes of the log-prob kernel, while time is left;
 #   5. (scripts/bench_train.py, each call limited to TRAIN_LIMIT_S) the train step of the 0.8B shapes,
 #      all 24 layers, bfloat16 compute, one row of 8192 tokens: tokens/s and MFU against the H200's
@@ -229,21 +230,40 @@ def _():
     with jax.default_matmul_precision("highest"):  # float32 reference from the same bf16 inputs
         (_, want), want_g = step(xla_core)(*(x.astype(jnp.float32) for x in (q, k, v)))
     fns = {"pallas": lambda q, k, v, s: ak.gpu_flash_attention(q, k, v, s), "xla": xla_core}
+    try:  # cuDNN with the documents as packed segments (qwen35_jax/layers/attention_cudnn.py); bf16 only
+        from qwen35_jax.layers import attention_cudnn as acu
+        fns["cudnn"] = lambda q, k, v, s: acu.cudnn_flash_attention(q, k, v, s)
+        # 2 segments at most: this row's 4 runs go to the Triton fallback through the same lax.cond
+        fns["cudnn_fallback"] = lambda q, k, v, s: acu.cudnn_flash_attention(q, k, v, s, max_segments=2)
+    except ImportError as e:
+        out["cudnn"] = {"error": f"ImportError: {e}"[:300]}
     for name, fn in fns.items():
-        f = step(fn)
-        (_, o), grads = f(q, k, v)
-        r = {"out_abs_err": float(jnp.max(jnp.abs(o.astype(jnp.float32) - want)))}
-        for n_, g_, w_ in zip("qkv", grads, want_g):
-            r[f"d{n_}_rel_err"] = rel(g_.astype(jnp.float32), w_)
-        r["scratch_MiB"] = f.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes / 2**20
-        r["fwd_s"] = timeit(jax.jit(lambda q, k, v: fn(q, k, v, seg)), q, k, v)
-        r["fwd_bwd_s"] = timeit(f, q, k, v, n=3)
+        try:
+            f = step(fn)
+            (_, o), grads = f(q, k, v)
+            r = {"out_abs_err": float(jnp.max(jnp.abs(o.astype(jnp.float32) - want)))}
+            for n_, g_, w_ in zip("qkv", grads, want_g):
+                r[f"d{n_}_rel_err"] = rel(g_.astype(jnp.float32), w_)
+            r["scratch_MiB"] = f.lower(q, k, v).compile().memory_analysis().temp_size_in_bytes / 2**20
+            if name != "cudnn_fallback":  # its values are the point, its time is the Triton kernel's
+                r["fwd_s"] = timeit(jax.jit(lambda q, k, v: fn(q, k, v, seg)), q, k, v)
+                r["fwd_bwd_s"] = timeit(f, q, k, v, n=3)
+        except Exception as e:
+            if name in ("pallas", "xla"):
+                raise
+            r = {"error": f"{type(e).__name__}: {e}"[:500]}
         out[name] = r
         save()
-    p, x = out["pallas"], out["xla"]
-    # the kernel keeps scores in float32 (the XLA core rounds them to bf16 first): no worse than XLA
-    out["ok"] = bool(p["out_abs_err"] <= max(2 * x["out_abs_err"], 2e-2)
-                     and all(p[f"d{n_}_rel_err"] <= max(2 * x[f"d{n_}_rel_err"], 5e-2) for n_ in "qkv"))
+    x = out["xla"]
+
+    def close(r):  # the kernels keep scores in float32 (the XLA core rounds them to bf16 first): no worse than XLA
+        return bool("error" not in r and r["out_abs_err"] <= max(2 * x["out_abs_err"], 2e-2)
+                    and all(r[f"d{n_}_rel_err"] <= max(2 * x[f"d{n_}_rel_err"], 5e-2) for n_ in "qkv"))
+
+    out["ok"] = close(out["pallas"])
+    for name in ("cudnn", "cudnn_fallback"):
+        if name in out and "error" not in out[name]:
+            out[f"{name}_ok"] = close(out[name])
     sweep = []
     for bq, bk, bb in [] if SMOKE else [(128, 128, 32), (128, 64, 32), (64, 64, 64), (64, 32, 32)]:
         if time.perf_counter() - START > BUDGET_S:

@@ -43,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="fused log-prob/entropy backend (default: auto)")
     parser.add_argument("--lm-head", choices=["gather", "vocab_parallel"], default="gather",
                         help="how the sharded lm_head is used (default: gather once)")
-    parser.add_argument("--attention", choices=["auto", "xla", "pallas"], default="auto",
-                        help="attention kernel (default: auto; xla is the fallback everywhere)")
+    parser.add_argument("--attention", choices=["auto", "xla", "pallas", "cudnn"], default="auto",
+                        help="attention kernel (default: auto; xla is the fallback everywhere; cudnn: GPU, "
+                             "bfloat16)")
     parser.add_argument("--gdn-sp-mode", choices=["all_to_all", "state_passing"], default="all_to_all",
                         help="GDN sequence parallelism (default: all_to_all)")
     parser.add_argument("--gdn-precision", choices=GDN_PRECISIONS, default="auto",
@@ -104,11 +105,12 @@ def run(args: argparse.Namespace) -> int:
 
     # jax is imported only after the cheap checks, so bad input fails fast.
     from qwen35_jax.checkpoint import load_model
-    from qwen35_jax.kernel_choices import explain_compile_failure, kernel_choices
+    from qwen35_jax.kernel_choices import check_kernel_choices, explain_compile_failure, kernel_choices
     from qwen35_jax.labels import IGNORE, next_token_labels
     from qwen35_jax.parallel.mesh import init_distributed, make_mesh
     from qwen35_jax.scoring import check_inputs, score_batches
 
+    check_kernel_choices(args.attention, args.dtype or "float32", flag="--dtype")
     init_distributed()
     mesh = make_mesh(args.mesh)
     model, config = load_model(args.model, dtype=args.dtype, mesh=mesh)

@@ -130,7 +130,8 @@ def test_context_selects_kernel_inside_ulysses(mesh_2x4):
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: ak.resolve_implementation("cudnn"), "attention implementation must be one of"),
+        (lambda: ak.resolve_implementation("flash"), "attention implementation must be one of"),
+        (lambda: ak.resolve_implementation("cudnn"), "'cudnn' needs a CUDA GPU, this backend is cpu"),
         (lambda: ak.attention_implementation("flash").__enter__(), "attention implementation must be one of"),
         (lambda: attention_core(jnp.zeros((1, 4, 3, 8)), jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 2, 8)),
                                 jnp.ones((1, 4), jnp.int32)), "H = 3 are not a multiple of kv heads K = 2"),

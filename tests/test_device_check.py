@@ -24,6 +24,12 @@ def documented_variants() -> list[str]:
     return list(dict.fromkeys(v for v in found if v))
 
 
+def gpu_only(variant: str) -> bool:
+    """Whether bench_train refuses `variant` off a GPU (cuDNN attention), as it does here."""
+    flags = variant.split()
+    return "--attention" in flags and flags[flags.index("--attention") + 1] == "cudnn"
+
+
 def find_errors(node: object, path: str = "") -> list[str]:
     """Every "error" entry in a device_check result tree, with its path."""
     if isinstance(node, dict):
@@ -51,6 +57,9 @@ def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
 
     kernels = json.loads((tmp_path / "device_check.json").read_text())
     assert {"correctness", "matmul", "pallas_fwd_bwd", "xla_fwd_bwd", "attention"} <= set(kernels)
+    # cuDNN attention is the one entry that cannot run here: it must fail on the missing cuDNN only
+    for name in ("cudnn", "cudnn_fallback"):
+        assert "cuDNN is not detected" in kernels["attention"].pop(name)["error"]
     assert find_errors(kernels) == []
     assert kernels["attention"]["ok"]
 
@@ -60,7 +69,12 @@ def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
         return rows[0]["ours"]["median_s"]
 
     assert step_time("train_step.json") > 0
+    log = (tmp_path / "train_step_log.txt").read_text()
     for i, variant in enumerate(variants):
+        if gpu_only(variant):  # parsed, then refused by the kernel check before anything is built
+            assert not (tmp_path / f"train_variant_{i}.json").exists()
+            assert "error: attention implementation 'cudnn' needs a CUDA GPU, this backend is cpu" in log
+            continue
         assert step_time(f"train_variant_{i}.json") > 0, variant
         ours = json.loads((tmp_path / f"train_variant_{i}.json").read_text())["runs"][0]["ours"]
         flags = variant.split()
@@ -71,5 +85,7 @@ def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
     timed = [k for k in core if k.startswith("ours ")]
     assert len(timed) == 9 and all(core[k]["median_s"] > 0 for k in timed)  # 3 precisions x 3 blocks
     assert (tmp_path / "train_step_hlo.txt.gz").stat().st_size > 0
-    took = re.findall(r"^== took (\d+) s, exit 0: bench_train", (tmp_path / "train_step_log.txt").read_text(), re.M)
-    assert len(took) == 2 + len(variants)  # every call's wall time, for budgeting a lease
+    took = re.findall(r"^== took \d+ s, exit (\d+): bench_train", log, re.M)
+    # every call's wall time, for budgeting a lease: the traced step, the variants (the GPU-only ones
+    # exit 2 here), the GDN core
+    assert took == ["0"] + ["2" if gpu_only(v) else "0" for v in variants] + ["0"]

@@ -100,6 +100,8 @@ def test_bad_segment_ids_and_options(checkpoint, tmp_path, capsys):
     assert "valid layouts" in capsys.readouterr().err
     assert logprobs.main(base[:1] + [str(tmp_path / "missing")] + base[2:]) == 2
     assert "missing" in capsys.readouterr().err
+    assert logprobs.main(base + ["--attention", "cudnn"]) == 2
+    assert "attention implementation 'cudnn' needs a CUDA GPU" in capsys.readouterr().err
     assert not (tmp_path / "o.npz").exists()
 
 

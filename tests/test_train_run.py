@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from qwen35_jax.train.loop import train
+from qwen35_jax.train.loop import prepare, train
 from qwen35_jax.train.options import TrainOptions, parse_options
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -321,6 +321,23 @@ def test_a_failing_pallas_kernel_names_the_fallback_flags(monkeypatch):
     hint = explain_compile_failure(err, attention="auto", logprob_backend="xla")
     assert "rerun with --attention xla" in hint and "Mosaic failed" in hint and "\n" not in hint
     assert explain_compile_failure(err, attention="xla", logprob_backend="xla") is None
+    hint = explain_compile_failure(err, attention="cudnn", logprob_backend="xla")
+    assert "if a Pallas or cuDNN kernel is the cause, rerun with --attention auto" in hint
+
+
+def test_cudnn_attention_is_refused_up_front_off_a_gpu(tmp_path, monkeypatch):
+    import jax
+
+    from qwen35_jax.kernel_choices import check_kernel_choices
+
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="attention implementation 'cudnn' needs a CUDA GPU, this backend is cpu"):
+        prepare(parse_options(["--preset", "tiny", "--synthetic", "--out", str(out), "--attention", "cudnn"]))
+    assert not out.exists()  # refused before the run directory is written
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    with pytest.raises(ValueError, match="--attention cudnn needs --compute-dtype bfloat16 .* got float32"):
+        check_kernel_choices("cudnn", "float32")
+    check_kernel_choices("cudnn", "bfloat16")
 
 
 def test_gdn_bf16_matmuls_follow_the_float32_loss_curve(straight_run, tmp_path, capsys):

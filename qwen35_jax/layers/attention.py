@@ -7,12 +7,16 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.attention_kernels import KERNELS, check_attention_inputs, resolve_implementation
+from qwen35_jax.layers.attention_cudnn import cudnn_flash_attention
+from qwen35_jax.layers.attention_kernels import (check_attention_inputs, gpu_flash_attention, resolve_implementation,
+                                                 tpu_flash_attention)
 from qwen35_jax.layers.attention_xla import xla_attention_core
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import apply_rope
 from qwen35_jax.parallel.ulysses import ulysses_attention
+
+KERNELS = {"pallas_gpu": gpu_flash_attention, "pallas_tpu": tpu_flash_attention, "cudnn": cudnn_flash_attention}
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
@@ -22,8 +26,8 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
     q: [B, S, H, Dh] (normed, rotated), k/v: [B, S, K, Dh] with H % K == 0, segment_ids: [B, S]
     -> [B, S, H, Dh]. Scale 1/sqrt(Dh). Query head h reads kv head h // (H // K).
     `implementation` (None: the `attention_implementation` context, default "auto") picks a flash
-    kernel on GPU/TPU (`attention_kernels.py`); the XLA core (`attention_xla.py`) runs on CPU and is
-    the reference. It runs block_q queries at a time (None: `default_block_q`), each block against
+    kernel on GPU/TPU (`attention_kernels.py`, `attention_cudnn.py`); the XLA core (`attention_xla.py`)
+    runs on CPU and is the reference. It runs block_q queries at a time (None: `default_block_q`), each block against
     only the keys up to its last query (the later ones are all masked: about half the work of every score
     matrix is skipped). Each block is a flash-style custom VJP that saves its output and log-sum-exp,
     not its [block_q, S] probabilities: peak memory O(block_q * S) per head instead of O(S^2). Each

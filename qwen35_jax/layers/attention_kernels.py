@@ -8,10 +8,10 @@ masked. Scale 1/sqrt(Dh), softmax in float32, query head h reads kv head h // (H
 Kernels (flash: online softmax over key blocks, no [S, S] scores in memory, forward or backward):
   - "pallas_gpu": the Pallas Triton kernel `jax.experimental.pallas.ops.gpu.attention.mha`. It
     takes one segment-id row per sequence and masks q_seg == kv_seg inside every tile, so packed
-    documents are exact. (cuDNN through `jax.nn.dot_product_attention` is not used: it takes
-    documents only as a dense [S, S] mask or bias; its per-sequence lengths cover padding, not
-    packing.)
+    documents are exact.
   - "pallas_tpu": `jax.experimental.pallas.ops.tpu.flash_attention` with `SegmentIds`.
+  - "cudnn" (GPU only, bf16/fp16, opt-in): cuDNN's fused flash attention with each row's documents
+    as packed segments, the Triton kernel for rows it cannot take exactly (`attention_cudnn.py`).
 Both need the sequence in whole blocks and equal q/kv head counts: kv heads are repeated up to the
 query heads (the gradient of the repeat sums them back) and S is padded at the end with segment -1;
 causality keeps every real query off the padded keys, the padded rows are dropped.
@@ -19,6 +19,7 @@ causality keeps every real query off the padded keys, the padded rows are droppe
 Selection: `resolve_implementation("auto")` is "xla" on CPU (and any other backend), "pallas_gpu"
 on GPU, "pallas_tpu" on TPU, read from `jax.default_backend()` when the attention is traced.
 "pallas" is this backend's Pallas kernel; on CPU it is the GPU kernel in interpret mode (tests).
+"cudnn" resolves only on a GPU.
 `attention_implementation(name)` sets the choice for everything traced inside it (like
 `gdn_sp_mode`, it must wrap the first trace of a jitted step: `jax.jit` caches traces).
 """
@@ -32,7 +33,7 @@ from collections.abc import Callable, Iterator
 import jax
 import jax.numpy as jnp
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "cudnn")
 
 _state = threading.local()
 
@@ -61,10 +62,13 @@ def check_implementation(name: str) -> None:
 
 
 def resolve_implementation(name: str | None = None) -> str:
-    """"xla", "pallas_gpu" or "pallas_tpu" for `name` (None: the contextual setting) on this backend."""
+    """"xla", "pallas_gpu", "pallas_tpu" or "cudnn" for `name` (None: the contextual setting) on this
+    backend; a one-line ValueError for "cudnn" off a GPU."""
     name = current_implementation() if name is None else name
     check_implementation(name)
     backend = jax.default_backend()
+    if name == "cudnn" and backend != "gpu":
+        raise ValueError(f"attention implementation 'cudnn' needs a CUDA GPU, this backend is {backend}")
     if name == "auto":
         return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
     if name == "pallas":
@@ -199,5 +203,3 @@ def _in_tpu_interpret_mode(f: Callable[..., jax.Array]) -> Callable[..., jax.Arr
     run.defvjp(fwd, bwd)
     return run
 
-
-KERNELS = {"pallas_gpu": gpu_flash_attention, "pallas_tpu": tpu_flash_attention}

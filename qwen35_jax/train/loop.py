@@ -23,7 +23,7 @@ from qwen35_jax.checkpoint import _config_dict, load_checkpoint
 from qwen35_jax.config import SCAN_LAYERS_FLAGS, Qwen35Config
 from qwen35_jax.hf.export import is_lead_process, sync_processes
 from qwen35_jax.hf.load import abstract_model, default_shardings
-from qwen35_jax.kernel_choices import explain_compile_failure, kernel_choices
+from qwen35_jax.kernel_choices import check_kernel_choices, explain_compile_failure, kernel_choices
 from qwen35_jax.parallel.mesh import FSDP, init_distributed, make_mesh, mesh_axis_size
 from qwen35_jax.train.checkpoints import RunCheckpoints
 from qwen35_jax.train.data import BatchStream, check_batch_size, place_batch, process_slice
@@ -119,10 +119,15 @@ def _abstract_params(config: Qwen35Config, mesh: jax.sharding.Mesh) -> Any:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
 
+def _default_compute_dtype() -> str:
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
 def prepare(options: TrainOptions) -> Run:
     """Check the options and the run directory, then build (or restore) everything for the loop."""
     check_options(options)
     options, resuming = open_run_dir(options.out, options)  # refuses another run before anything is written
+    check_kernel_choices(options.attention, options.compute_dtype or _default_compute_dtype())
     init_distributed()
     mesh = make_mesh(options.mesh)
     fsdp = mesh_axis_size(mesh, FSDP)
@@ -130,7 +135,7 @@ def prepare(options: TrainOptions) -> Run:
     check_batch_size(batch_size, fsdp, options.grad_accum)
     options = dataclasses.replace(  # resolved defaults are stored, so a resume on another mesh keeps them
         options, batch_size=batch_size, schedule_steps=options.total_schedule_steps,
-        compute_dtype=options.compute_dtype or ("float32" if jax.default_backend() == "cpu" else "bfloat16"))
+        compute_dtype=options.compute_dtype or _default_compute_dtype())
 
     schedule = make_schedule(options.lr, options.total_schedule_steps, options.warmup_steps, options.final_lr_ratio)
     tx = make_optimizer(schedule, weight_decay=options.weight_decay, clip_norm=options.clip_norm,

@@ -26,7 +26,7 @@ CHOICES = {
     "kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
     "param_dtype": ("float32", "bfloat16"),
     "compute_dtype": ("float32", "bfloat16"),
-    "attention": ("auto", "xla", "pallas"),
+    "attention": ("auto", "xla", "pallas", "cudnn"),
     "logprob_backend": ("auto", "xla", "pallas", "reference"),
     "lm_head": ("gather", "vocab_parallel"),
     "gdn_sp_mode": ("all_to_all", "state_passing"),
@@ -93,7 +93,7 @@ class TrainOptions:
                                     "another (false: faster step); auto: false on GPU, true elsewhere", "precision")
     # --- kernels and parallelism (fallbacks without editing code)
     mesh: str | None = _opt(None, "device layout 'fsdp=F,sp=S' (default: all devices on fsdp)", "parallelism")
-    attention: str = _opt("auto", "attention kernel: auto, xla, pallas", "parallelism")
+    attention: str = _opt("auto", "attention kernel: auto, xla, pallas, cudnn (GPU, bf16)", "parallelism")
     logprob_backend: str = _opt("auto", "fused log-prob kernel: auto, xla, pallas, reference", "parallelism")
     lm_head: str = _opt("gather", "lm_head under sp: gather or vocab_parallel", "parallelism")
     gdn_sp_mode: str = _opt("all_to_all", "GDN sequence parallelism: all_to_all or state_passing", "parallelism")
