@@ -9,9 +9,9 @@ rows as `qwen35_jax.data` writes them are of that kind (documents one after anot
 end); any row that is not sends the whole call to `fallback` (the Pallas Triton kernel) through a
 `lax.cond`, so the result never depends on which kernel ran.
 
-The kv heads are repeated up to the query heads: jax scales both the query's and the kv's segment
-offsets by the query's heads x head dim, which is the kv's stride only when the head counts match.
-The gradient of the repeat sums the heads back.
+The kv heads are repeated up to the query heads: jax 0.10 scales the kv's segment offsets by the
+query's heads x head dim, which is the kv's stride only when the head counts match (later releases
+use the kv's own). The gradient of the repeat sums the heads back.
 
 jax exposes the packed form only in `jax._src.cudnn.fused_attention_stablehlo` (checked when traced:
 cuDNN 9.6 or newer, compute capability 9.0 or newer, head dim <= 256 and a multiple of 8).
