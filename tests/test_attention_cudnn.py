@@ -169,15 +169,20 @@ def test_resolves_on_gpu_only(monkeypatch):
         assert ak.resolve_implementation() == "cudnn"
 
 
-def test_lowers_for_cuda_with_the_triton_fallback(monkeypatch):
-    # the 0.8B's attention shapes, bf16, forward and backward lowered from this CPU machine; jax's
-    # cuDNN module reads the cuDNN version and compute capability when traced, so those two reads
-    # are stubbed to a Hopper with cuDNN 9.10 (compiling needs the device)
+@pytest.fixture
+def stub_hopper(monkeypatch):
+    """Lowering for CUDA from this CPU machine: jax's cuDNN module reads the cuDNN version and the
+    compute capability when traced, stubbed here to a Hopper with cuDNN 9.10 (compiling needs the
+    device), and the backend reads as "gpu" so that "cudnn" resolves."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+def test_lowers_for_cuda_with_the_triton_fallback(stub_hopper):
+    # the 0.8B's attention shapes, bf16, forward and backward
     b, s, h, kh, dh = 1, 4096, 8, 2, 256
 
     def step(q, k, v, seg, w):
@@ -194,3 +199,23 @@ def test_lowers_for_cuda_with_the_triton_fallback(monkeypatch):
     assert targets.count("__gpu$xla.gpu.triton") == 3  # the fallback's forward and two backward kernels
     assert "stablehlo.case" in text or "stablehlo.if" in text
     assert "4096x4096" not in text  # no [S, S] array on either path
+
+
+def test_lowers_for_cuda_inside_ulysses(stub_hopper, mesh_2x4):
+    # per device after the all-to-all: the whole sequence, 8 / 4 query heads, inside shard_map
+    from qwen35_jax.parallel.ulysses import ulysses_attention
+
+    def step(q, k, v, seg):
+        def loss(q, k, v):
+            out = ulysses_attention(lambda *a: attention_core(*a, implementation="cudnn"), q, k, v, seg)
+            return jnp.sum(out.astype(jnp.float32))
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    b, s, h, kh, dh = 2, 512, 8, 4, 64
+    args = (jax.ShapeDtypeStruct((b, s, h, dh), jnp.bfloat16), jax.ShapeDtypeStruct((b, s, kh, dh), jnp.bfloat16),
+            jax.ShapeDtypeStruct((b, s, kh, dh), jnp.bfloat16), jax.ShapeDtypeStruct((b, s), jnp.int32))
+    with jax.set_mesh(mesh_2x4):
+        text = jax.jit(step).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    targets = set(re.findall(r"custom_call @([\w$.]+)", text))
+    assert {"__cudnn$fmhaSoftmax", "__cudnn$fmhaSoftmaxBackward", "__gpu$xla.gpu.triton"} <= targets
+    assert "all_to_all" in text
