@@ -1,0 +1,67 @@
+"""The trainer's step as a GPU runs it, lowered for CUDA from this CPU machine.
+
+Every backend-dependent choice (the attention kernel, the GDN chunk scan and its Pallas kernels, the
+layer loop, the log-prob backend) is read from `jax.default_backend()` when the step is traced; here
+it reads "gpu", so the program traced is the GPU's, on the fsdp=2, sp=4 mesh. Lowering runs every
+Pallas/Triton and cuDNN lowering rule; compiling and running need the device
+(scripts/device_check.sh). A GPU lease is rare: a GPU-only path that no longer traces must fail here.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.kernel_choices import kernel_choices
+from qwen35_jax.model import Qwen35ForCausalLM
+from qwen35_jax.parallel.mesh import create_sharded
+from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule
+from qwen35_jax.train.step import batch_shardings, make_train_step
+
+GDN_KERNELS = {"gdn_chunk_states", "gdn_chunk_states_reverse"}
+TRITON_ATTENTION = {"mha_forward", "mha_preprocess_backward", "mha_backward"}
+
+
+# remat "none": the blocks one after another (the GPU's default layout then); "full": scanned
+@pytest.mark.parametrize("attention, gdn_precision, remat", [("auto", None, "none"), ("cudnn", "bf16", "full")])
+def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, attention, gdn_precision, remat):
+    from jax._src.cudnn import fused_attention_stablehlo as cudnn
+
+    config = Qwen35Config.preset("tiny", dtype="bfloat16", remat=remat)
+    model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), mesh_2x4)
+    graphdef = nnx.split(model)[0]
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    tx = make_optimizer(make_schedule(1e-4, 100))
+    opt_state = init_opt_state(tx, params, mesh_2x4)
+    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
+    rows = {name: np.zeros((1, 2, 256), np.int32) for name in ("tokens", "segment_ids", "loss_mask")}
+    batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+             for (name, x), s in zip(rows.items(), batch_shardings(mesh_2x4, rows).values())}
+
+    # from here on the program is the GPU's; jax's cuDNN module also reads the cuDNN version and
+    # the compute capability when traced: a Hopper with cuDNN 9.10
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
+    monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
+    step = make_train_step(graphdef, tx, StepOptions(), shardings)
+    with jax.set_mesh(mesh_2x4), kernel_choices(attention, "all_to_all", gdn_precision):
+        text = step.trace(params, opt_state, batch).lower(lowering_platforms=("cuda",)).as_text()
+
+    targets = Counter(re.findall(r"custom_call @([\w$.]+)", text))
+    kernels = set(re.findall(r'name = "(\w+)"', text)) - {"fsdp", "sp"}
+    # the GDN chunk scan's Pallas kernels, forward and reverse, and the Triton attention kernels
+    # (with cuDNN: its fallback branch)
+    assert kernels == GDN_KERNELS | TRITON_ATTENTION, kernels
+    cudnn_calls = targets["__cudnn$fmhaSoftmax"], targets["__cudnn$fmhaSoftmaxBackward"]
+    if attention == "cudnn":
+        assert cudnn_calls == (2, 1)  # forward, its recomputation under "full", backward
+    else:
+        assert cudnn_calls == (0, 0)
+    assert "all_to_all" in text  # Ulysses around both layer kinds
