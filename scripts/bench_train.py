@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": rows, "breakdown": breakdown, "load_average_1min": load,
-                       "glibc_tunables": tunables}, f, indent=1, default=str)
+                       "glibc_tunables": tunables, "xla_flags": os.environ.get("XLA_FLAGS")}, f, indent=1,
+                      default=str)
     return 0
 
 

@@ -28,7 +28,8 @@
 #      kernel blocks each
 #      ($OUT/gdn_core.json; GDN_CORE=0 skips it), then four rows of 8192 ($OUT/train_step_b4.json;
 #      TRAIN_B4=0 skips it). TRAIN_VARIANTS="--attention xla;--scan-layers true" times more one-row
-#      steps first, one per ';'-separated set of bench_train flags ($OUT/train_variant_<i>.json).
+#      steps first, one per ';'-separated set of bench_train flags ($OUT/train_variant_<i>.json),
+#      each optionally led by NAME=VALUE environment words (XLA_FLAGS=--flag adds to XLA_FLAGS).
 # KERNEL_STAGES=correctness,attention (names as in device_check.json) runs only those of 1-4.
 # STAGES=kernels (1-4) or STAGES=train (5) runs one part. On 2026-12-04 an H200 took 140 s for 1-3
 # (4 cut by its budget) and 25-60 s per compile of the 0.8B step (blocks scanned / one after another);
@@ -343,12 +344,23 @@ if [[ ",$STAGES," == *,train,* ]]; then
       train --batch 1 --gdn-chunk-scan associative --attention xla --logprob-backend xla \
         --json "$OUT/train_step_xla.json"; }
   else
-    # more one-row steps, each with its own bench_train flags: TRAIN_VARIANTS="--attention xla;--scan-layers true"
+    # more one-row steps, each with its own bench_train flags: TRAIN_VARIANTS="--attention xla;--scan-layers true";
+    # leading NAME=VALUE words set environment variables for that call (XLA_FLAGS=... adds to XLA_FLAGS):
+    # TRAIN_VARIANTS="XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --attention cudnn"
     IFS=';' read -ra variants <<<"${TRAIN_VARIANTS:-}"
     for i in "${!variants[@]}"; do
-      read -ra flags <<<"${variants[$i]}"
-      echo "== variant $i: ${flags[*]}" | tee -a "$OUT/train_step_log.txt"
-      train --batch 1 "${flags[@]}" --json "$OUT/train_variant_$i.json"
+      read -ra words <<<"${variants[$i]}"
+      envs=() flags=()
+      for w in "${words[@]}"; do
+        if [ ${#flags[@]} -eq 0 ] && [[ "$w" =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else flags+=("$w"); fi
+      done
+      echo "== variant $i: ${words[*]}" | tee -a "$OUT/train_step_log.txt"
+      (
+        for e in "${envs[@]}"; do
+          if [[ "$e" == XLA_FLAGS=* ]]; then export XLA_FLAGS="${XLA_FLAGS:-} ${e#XLA_FLAGS=}"; else export "$e"; fi
+        done
+        train --batch 1 "${flags[@]}" --json "$OUT/train_variant_$i.json"
+      )
     done
     # HIGHEST (IEEE float32) against DEFAULT (TF32) and bf16 operands, each at three (state columns per
     # program, warps) of the chunk-state kernel; errors against the first (HIGHEST, the default blocks)

@@ -76,8 +76,12 @@ def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
             assert "error: attention implementation 'cudnn' needs a CUDA GPU, this backend is cpu" in log
             continue
         assert step_time(f"train_variant_{i}.json") > 0, variant
-        ours = json.loads((tmp_path / f"train_variant_{i}.json").read_text())["runs"][0]["ours"]
+        result = json.loads((tmp_path / f"train_variant_{i}.json").read_text())
+        ours = result["runs"][0]["ours"]
         flags = variant.split()
+        for word in flags:  # leading NAME=VALUE words: XLA_FLAGS=... reached the call's XLA_FLAGS
+            if word.startswith("XLA_FLAGS="):
+                assert word.removeprefix("XLA_FLAGS=") in result["xla_flags"].split(), (variant, result["xla_flags"])
         for flag, key in (("--gdn-precision", "gdn_precision"), ("--attention", "attention")):
             if flag in flags:  # the variant's setting reached the timed step
                 assert ours[key] == flags[flags.index(flag) + 1], (variant, ours)
