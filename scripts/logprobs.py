@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
     from qwen35_jax.parallel.mesh import init_distributed, make_mesh
     from qwen35_jax.scoring import check_inputs, score_batches
 
-    check_kernel_choices(args.attention, args.dtype or "float32", flag="--dtype")
     init_distributed()
+    check_kernel_choices(args.attention, args.dtype or "float32", flag="--dtype")
     mesh = make_mesh(args.mesh)
     model, config = load_model(args.model, dtype=args.dtype, mesh=mesh)
     check_inputs(tokens, segment_ids, config.vocab_size, source=str(args.tokens))

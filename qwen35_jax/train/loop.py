@@ -127,8 +127,8 @@ def prepare(options: TrainOptions) -> Run:
     """Check the options and the run directory, then build (or restore) everything for the loop."""
     check_options(options)
     options, resuming = open_run_dir(options.out, options)  # refuses another run before anything is written
+    init_distributed()  # before anything asks jax for its backend
     check_kernel_choices(options.attention, options.compute_dtype or _default_compute_dtype())
-    init_distributed()
     mesh = make_mesh(options.mesh)
     fsdp = mesh_axis_size(mesh, FSDP)
     batch_size = options.batch_size or fsdp * options.grad_accum
