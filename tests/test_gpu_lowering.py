@@ -30,11 +30,16 @@ TRITON_ATTENTION = {"mha_forward", "mha_preprocess_backward", "mha_backward"}
 
 
 # remat "none": the blocks one after another (the GPU's default layout then); "full": scanned
-@pytest.mark.parametrize("attention, gdn_precision, remat", [("auto", None, "none"), ("cudnn", "bf16", "full")])
-def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, attention, gdn_precision, remat):
+@pytest.mark.parametrize("preset, attention, gdn_precision, gdn_mode, lm_head, remat", [
+    ("tiny", "auto", None, "all_to_all", "gather", "none"),
+    ("tiny", "cudnn", "bf16", "all_to_all", "gather", "full"),
+    ("tiny-moe", "auto", None, "state_passing", "vocab_parallel", "full"),
+])
+def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, preset, attention, gdn_precision, gdn_mode, lm_head,
+                                    remat):
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    config = Qwen35Config.preset("tiny", dtype="bfloat16", remat=remat)
+    config = Qwen35Config.preset(preset, dtype="bfloat16", remat=remat)
     model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), mesh_2x4)
     graphdef = nnx.split(model)[0]
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -50,8 +55,8 @@ def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, attention, gdn_precis
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
-    step = make_train_step(graphdef, tx, StepOptions(), shardings)
-    with jax.set_mesh(mesh_2x4), kernel_choices(attention, "all_to_all", gdn_precision):
+    step = make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head), shardings)
+    with jax.set_mesh(mesh_2x4), kernel_choices(attention, gdn_mode, gdn_precision):
         text = step.trace(params, opt_state, batch).lower(lowering_platforms=("cuda",)).as_text()
 
     targets = Counter(re.findall(r"custom_call @([\w$.]+)", text))
@@ -64,4 +69,8 @@ def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, attention, gdn_precis
         assert cudnn_calls == (2, 1)  # forward, its recomputation under "full", backward
     else:
         assert cudnn_calls == (0, 0)
-    assert "all_to_all" in text  # Ulysses around both layer kinds
+    assert "all_to_all" in text  # Ulysses around the attention (and the GDN layers, unless state passing)
+    if gdn_mode == "state_passing":
+        assert "collective_permute" in text  # the conv halo from the previous shard
+    if preset == "tiny-moe":
+        assert "chlo.ragged_dot" in text  # the experts' grouped matmuls (XLA:GPU lowers them itself)
