@@ -20,6 +20,7 @@ from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.kernel_choices import kernel_choices
+from qwen35_jax.layers.tiling import sequence_tile
 from qwen35_jax.model import Qwen35ForCausalLM
 from qwen35_jax.parallel.mesh import create_sharded
 from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule
@@ -30,13 +31,15 @@ TRITON_ATTENTION = {"mha_forward", "mha_preprocess_backward", "mha_backward"}
 
 
 # remat "none": the blocks one after another (the GPU's default layout then); "full": scanned
-@pytest.mark.parametrize("preset, attention, gdn_precision, gdn_mode, lm_head, remat", [
-    ("tiny", "auto", None, "all_to_all", "gather", "none"),
-    ("tiny", "cudnn", "bf16", "all_to_all", "gather", "full"),
-    ("tiny-moe", "auto", None, "state_passing", "vocab_parallel", "full"),
+# tile: the long-context sequence tiling (`tiling.sequence_tile`), here 2 tiles of the GDN layers' 256 tokens
+@pytest.mark.parametrize("preset, attention, gdn_precision, gdn_mode, lm_head, remat, tile", [
+    ("tiny", "auto", None, "all_to_all", "gather", "none", None),
+    ("tiny", "cudnn", "bf16", "all_to_all", "gather", "full", None),
+    ("tiny-moe", "auto", None, "state_passing", "vocab_parallel", "full", None),
+    ("tiny", "auto", None, "all_to_all", "gather", "full", 128),
 ])
 def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, preset, attention, gdn_precision, gdn_mode, lm_head,
-                                    remat):
+                                    remat, tile):
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     config = Qwen35Config.preset(preset, dtype="bfloat16", remat=remat)
@@ -56,7 +59,7 @@ def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, preset, attention, gd
     monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
     step = make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head), shardings)
-    with jax.set_mesh(mesh_2x4), kernel_choices(attention, gdn_mode, gdn_precision):
+    with jax.set_mesh(mesh_2x4), kernel_choices(attention, gdn_mode, gdn_precision), sequence_tile(tile):
         text = step.trace(params, opt_state, batch).lower(lowering_platforms=("cuda",)).as_text()
 
     targets = Counter(re.findall(r"custom_call @([\w$.]+)", text))
@@ -72,5 +75,7 @@ def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, preset, attention, gd
     assert "all_to_all" in text  # Ulysses around the attention (and the GDN layers, unless state passing)
     if gdn_mode == "state_passing":
         assert "collective_permute" in text  # the conv halo from the previous shard
+    if tile is not None:  # the tile loops (MLP, GDN mixer and their written-out backward) on top of the layer scan
+        assert text.count("stablehlo.while") > 6
     if preset == "tiny-moe":
         assert "chlo.ragged_dot" in text  # the experts' grouped matmuls (XLA:GPU lowers them itself)
