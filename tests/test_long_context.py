@@ -189,16 +189,20 @@ def test_tiled_gdn_core_equals_untiled(scan):
         assert_close(x, y, f"d{name}")
 
 
-@pytest.mark.parametrize("moe, layout", [(False, None), (False, "fsdp=2,sp=4"),
-                                        pytest.param(True, "fsdp=1,sp=4", marks=pytest.mark.slow)])
-def test_sequence_tiled_model_equals_untiled(moe, layout):
+@pytest.mark.parametrize("moe, layout, gdn_mode", [
+    (False, None, "all_to_all"), (False, "fsdp=2,sp=4", "all_to_all"),
+    (False, "fsdp=2,sp=4", "state_passing"),  # 16-token shards: the two sweeps of 4-token tiles
+    pytest.param(True, "fsdp=1,sp=4", "all_to_all", marks=pytest.mark.slow)])
+def test_sequence_tiled_model_equals_untiled(moe, layout, gdn_mode):
     """Tiles of 4 tokens (MLP / MoE: per device shard; delta rule: whole chunks) against no tiling."""
+    from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
+
     tokens, seg = batch(2, 61)
     mesh = None if layout is None else make_mesh(layout, devices=jax.devices()[:8 if "2" in layout else 4])
     config = tiny(moe, remat="layer")
-    with sequence_tile(None):
+    with sequence_tile(None), gdn_sp_mode(gdn_mode):
         want = value_and_grads(config, tokens, seg, mesh)
-    with sequence_tile(4):
+    with sequence_tile(4), gdn_sp_mode(gdn_mode):
         got = value_and_grads(config, tokens, seg, mesh)
     assert_close(got[0], want[0], "hidden")
     assert_trees_close(got[1], want[1])

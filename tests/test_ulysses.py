@@ -191,15 +191,19 @@ def _boundary_segments(b, s, sp):
     return jnp.asarray(seg)
 
 
-@pytest.mark.parametrize("layout, key_heads, scan", [
-    ("fsdp=2,sp=4", 2, "auto"),
-    ("fsdp=2,sp=4", 2, "pallas"),  # the GPU default (interpreted here) inside shard_map, initial states too
-    pytest.param("fsdp=1,sp=8", 1, "auto", marks=pytest.mark.slow),
+@pytest.mark.parametrize("layout, key_heads, scan, tile", [
+    ("fsdp=2,sp=4", 2, "auto", None),
+    ("fsdp=2,sp=4", 2, "pallas", None),  # the GPU default (interpreted here) inside shard_map, initial states too
+    # long shards: two sweeps of 4-token tiles per 8-token shard (tile edges inside and between documents)
+    ("fsdp=2,sp=4", 2, "auto", 4),
+    pytest.param("fsdp=2,sp=4", 2, "pallas", 4, marks=pytest.mark.slow),
+    pytest.param("fsdp=1,sp=8", 1, "auto", None, marks=pytest.mark.slow),
 ])
-def test_gdn_state_passing_matches(layout, key_heads, scan):
+def test_gdn_state_passing_matches(layout, key_heads, scan, tile):
     from qwen35_jax.layers.chunk_states import gdn_chunk_scan
     from qwen35_jax.layers.gated_deltanet import gdn_core, sharded_gdn_core
     from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
+    from qwen35_jax.layers.tiling import sequence_tile
 
     sp = int(layout.split("sp=")[1])
     args, _, w = _gdn_inputs(b=2, s=32, hk=key_heads, hv=4, d=8, kc=4)
@@ -209,9 +213,13 @@ def test_gdn_state_passing_matches(layout, key_heads, scan):
     def plain(*a):
         return gdn_core(*a, seg, **static)
 
-    def sharded(*a):
-        with gdn_sp_mode("state_passing"), gdn_chunk_scan(scan):
-            return sharded_gdn_core(*a, seg, **static)
+    def sharded_with(tile):
+        def sharded(*a):
+            with gdn_sp_mode("state_passing"), gdn_chunk_scan(scan), sequence_tile(tile):
+                return sharded_gdn_core(*a, seg, **static)
+        return sharded
+
+    sharded = sharded_with(tile)
 
     def loss(args, fn):
         return jnp.sum(fn(*args) * w)
@@ -222,6 +230,10 @@ def test_gdn_state_passing_matches(layout, key_heads, scan):
         fn = jax.jit(sharded)
         got = fn(*args)
         hlo = fn.lower(*args).compile().as_text()
+        if tile is not None:  # the two sweeps' tile loops (scans over 2 tiles) are in the program
+            def scans(fn):
+                return str(jax.make_jaxpr(fn)(*args)).count("scan[")
+            assert scans(sharded) >= scans(sharded_with(None)) + 2
         got_grads = jax.jit(jax.grad(loss), static_argnums=1)(args, sharded)
     assert_close(got, want)
     for g, gw in zip(got_grads, want_grads):

@@ -47,7 +47,7 @@ from qwen35_jax.layers.trace_setting import scoped
 GDN_CHUNK_SCANS = ("auto", "sequential", "associative", "pallas")
 _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", default="auto")
 
-# What the GDN mixer keeps for its backward pass (`gated_deltanet.gdn_segment`):
+# What the GDN mixer keeps for its backward pass (`gdn_segment.gdn_segment`):
 # - "none": no recompute; autodiff keeps every intermediate it needs, about 230 KB per token and layer
 #   at the 0.8B shapes (16 heads of 128), most of it float32 [tokens, heads, 128]-sized arrays.
 # - "states": the mixer is recomputed in the backward from its inputs, except the chunk states (named

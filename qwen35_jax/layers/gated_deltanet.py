@@ -15,13 +15,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.chunk_states import apply_gdn_remat
-from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
-from qwen35_jax.layers.gdn_inputs import rule_inputs
+from qwen35_jax.layers.gdn_segment import gdn_segment
 from qwen35_jax.layers.gdn_state_passing import current_gdn_mode, gdn_state_passing
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core
 from qwen35_jax.layers.linear import Linear
-from qwen35_jax.layers.norms import GatedRMSNorm, gated_rms_norm
+from qwen35_jax.layers.norms import GatedRMSNorm
 from qwen35_jax.layers.tiling import delta_rule_tile
 from qwen35_jax.parallel.ulysses import active_sp_mesh, ulysses_gdn
 
@@ -83,41 +81,6 @@ def sharded_gdn_core(*args: jax.Array, eps: float, chunk_size: int) -> jax.Array
     if mesh is not None and current_gdn_mode() == "state_passing":
         return gdn_state_passing(*args, mesh=mesh, eps=eps, chunk_size=chunk_size)
     return ulysses_gdn(gdn_core, *args, eps=eps, chunk_size=chunk_size)
-
-
-def gdn_segment(
-    q: jax.Array,  # [B, T, Hk, Dk] raw, T tokens of a sequence
-    k: jax.Array,  # [B, T, Hk, Dk]
-    v: jax.Array,  # [B, T, Hv, Dv]
-    z: jax.Array,  # [B, T, Hv, Dv]
-    b: jax.Array,  # [B, T, Hv]
-    a: jax.Array,  # [B, T, Hv]
-    conv_q: jax.Array,  # [Kc, Hk, Dk]
-    conv_k: jax.Array,  # [Kc, Hk, Dk]
-    conv_v: jax.Array,  # [Kc, Hv, Dv]
-    A_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    norm_weight: jax.Array,  # [Dv]
-    segment_ids: jax.Array | None,  # [B, T]
-    *,
-    eps: float,
-    chunk_size: int,
-    halo: tuple[jax.Array, ...] | None = None,  # raw q, k, v [B, h, H, d] and ids [B, h] of the h tokens before
-    initial_state: jax.Array | None = None,  # [B, Hv, Dk, Dv] the delta-rule state entering the segment
-) -> tuple[jax.Array, jax.Array]:  # [B, T, Hv, Dv] in q.dtype, final state [B, Hv, Dk, Dv] float32
-    """`gdn_core` on T consecutive tokens: without `halo` the conv window starts at the first token
-    (zeros before it); with it, the conv reads the halo tokens (stopping at document starts). What the
-    backward pass keeps of it is `chunk_states.gdn_remat`'s choice."""
-    def segment(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids, halo,
-                initial_state):
-        dtype = q.dtype
-        q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
-        out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids,
-                                              initial_state=initial_state, chunk_size=chunk_size)
-        return gated_rms_norm(out.astype(dtype), z, norm_weight, eps), state  # [B, T, Hv, Dv]
-
-    return apply_gdn_remat(segment)(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight,
-                                    segment_ids, halo, initial_state)
 
 
 class DepthwiseConvKernel(nnx.Module):

@@ -16,12 +16,18 @@ starts). Shards must hold at least Kc - 1 tokens.
 
 Traffic per device and layer: halo 3 * (Kc - 1) tokens + all-gather of sp * B * Hv * Dk * (Dk + Dv)
 float32, independent of S. Compute: one extra delta-rule pass of width Dk.
+
+Shards longer than the sequence tile (`tiling.sequence_tile`) run in two sweeps of tiles instead
+(`_tiled_local_gdn`): the first carries (M, C) from tile to tile, the second is the tiled mixer
+(`gdn_tiling.tiled_gdn_core`) from the folded S_0, so no float32 array spans the shard; it computes
+the conv, norms, gates and one delta-rule pass twice.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +36,10 @@ from jax.sharding import PartitionSpec as P
 from qwen35_jax.layers.chunk_states import apply_gdn_remat
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_inputs import rule_inputs
+from qwen35_jax.layers.gdn_segment import gdn_segment
+from qwen35_jax.layers.gdn_tiling import tiled_gdn_core, tiled_inputs
 from qwen35_jax.layers.norms import gated_rms_norm
+from qwen35_jax.layers.tiling import delta_rule_tile, document_starts_tile, tile_scan
 from qwen35_jax.layers.trace_setting import scoped
 from qwen35_jax.parallel.mesh import FSDP, SP, mesh_axis_size
 
@@ -57,6 +66,36 @@ def _shifted_in(x: jax.Array, sp: int) -> jax.Array:
     return jax.lax.ppermute(x, SP, [(r, r + 1) for r in range(sp - 1)])
 
 
+def _halo_and_reset(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, h: int, sp: int
+                    ) -> tuple[tuple[jax.Array, ...], jax.Array]:
+    """The conv halo (the h raw q, k, v tokens [B, h, H, d] before this shard and their ids [B, h];
+    zeros with padding ids on device 0) and whether the state handed in is dropped [B] (a document
+    starts at the shard's first token, or this is the first shard)."""
+    L = q.shape[1]
+    r = jax.lax.axis_index(SP)
+    halo = (*(_shifted_in(x[:, L - h:], sp) for x in (q, k, v)),
+            jnp.where(r == 0, 0, _shifted_in(segment_ids[:, L - h:], sp)))
+    prev_last = jnp.where(r == 0, 0, _shifted_in(segment_ids[:, L - 1], sp))  # [B]
+    first = segment_ids[:, 0]
+    return halo, ((first != prev_last) & (first != 0)) | (r == 0)
+
+
+def _entering_state(m_end: jax.Array, c_end: jax.Array, reset: jax.Array, sp: int) -> jax.Array:
+    """The state entering this shard [B, Hv, Dk, Dv]: every shard's map S_end = M S_0 + C
+    (m_end [B, Hv, Dk, Dk], c_end [B, Hv, Dk, Dv]) and reset flag [B] all-gathered and folded in order."""
+    r = jax.lax.axis_index(SP)
+    all_m = jax.lax.all_gather(m_end, SP)  # [sp, B, Hv, Dk, Dk]
+    all_c = jax.lax.all_gather(c_end, SP)  # [sp, B, Hv, Dk, Dv]
+    all_reset = jax.lax.all_gather(reset, SP)  # [sp, B]
+    state = jnp.zeros(c_end.shape, jnp.float32)  # state entering shard j, folded in order
+    start = state
+    for j in range(sp):
+        state = jnp.where(all_reset[j][:, None, None, None], 0.0, state)
+        start = jnp.where(r == j, state, start)
+        state = jnp.einsum("bhkm,bhmv->bhkv", all_m[j], state, precision=jax.lax.Precision.HIGHEST) + all_c[j]
+    return start
+
+
 def _local_gdn(
     q: jax.Array,  # [B, L, Hk, Dk], L = S/sp: this device's shard
     k: jax.Array,  # [B, L, Hk, Dk]
@@ -76,38 +115,74 @@ def _local_gdn(
     chunk_size: int,
     sp: int,
 ) -> jax.Array:  # [B, L, Hv, Dv]
+    """The whole shard at once: one pass with S_0 = 0 (outputs and C), one with S_0 = I and v = 0
+    (M_t^T q_t and M), then the outputs corrected by the folded entering state."""
     B, L, _, Dk = q.shape
-    Hv, Dv = v.shape[2:]
-    Kc = conv_q.shape[0]
     dtype = q.dtype
-    r = jax.lax.axis_index(SP)
-    # conv1d with a halo of Kc - 1 raw tokens from the previous shard (zeros with padding ids on device 0)
-    h = Kc - 1
-    halo = (*(_shifted_in(x[:, L - h:], sp) for x in (q, k, v)),
-            jnp.where(r == 0, 0, _shifted_in(segment_ids[:, L - h:], sp)))
+    halo, reset = _halo_and_reset(q, k, v, segment_ids, conv_q.shape[0] - 1, sp)
     q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
 
     rule = dict(segment_ids=segment_ids, chunk_size=chunk_size)
     out0, c_end = chunked_gated_delta_rule(q, k, v, g, beta, **rule)  # [B, L, Hv, Dv], [B, Hv, Dk, Dv]
+    Hv = v.shape[2]
     eye = jnp.broadcast_to(jnp.eye(Dk, dtype=jnp.float32), (B, Hv, Dk, Dk))
     mq, m_end = chunked_gated_delta_rule(q, k, jnp.zeros((B, L, Hv, Dk), jnp.float32), g, beta,
                                          initial_state=eye, **rule)  # [B, L, Hv, Dk], [B, Hv, Dk, Dk]
-
-    # a document starting at a shard's first token drops the state handed in
-    prev_last = jnp.where(r == 0, 0, _shifted_in(segment_ids[:, L - 1], sp))  # [B]
-    first = segment_ids[:, 0]
-    reset = ((first != prev_last) & (first != 0)) | (r == 0)  # [B]
-    all_m = jax.lax.all_gather(m_end, SP)  # [sp, B, Hv, Dk, Dk]
-    all_c = jax.lax.all_gather(c_end, SP)  # [sp, B, Hv, Dk, Dv]
-    all_reset = jax.lax.all_gather(reset, SP)  # [sp, B]
-    state = jnp.zeros((B, Hv, Dk, Dv), jnp.float32)  # state entering shard j, folded in order
-    start = state
-    for j in range(sp):
-        state = jnp.where(all_reset[j][:, None, None, None], 0.0, state)
-        start = jnp.where(r == j, state, start)
-        state = jnp.einsum("bhkm,bhmv->bhkv", all_m[j], state, precision=jax.lax.Precision.HIGHEST) + all_c[j]
+    start = _entering_state(m_end, c_end, reset, sp)
     out = out0 + jnp.einsum("bshk,bhkv->bshv", mq, start, precision=jax.lax.Precision.HIGHEST)
     return gated_rms_norm(out.astype(dtype), z, norm_weight, eps)  # [B, L, Hv, Dv]
+
+
+def _tiled_local_gdn(
+    q: jax.Array,  # [B, L, Hk, Dk], L = S/sp: this device's shard
+    k: jax.Array,  # [B, L, Hk, Dk]
+    v: jax.Array,  # [B, L, Hv, Dv]
+    z: jax.Array,  # [B, L, Hv, Dv]
+    b: jax.Array,  # [B, L, Hv]
+    a: jax.Array,  # [B, L, Hv]
+    conv_q: jax.Array,  # [Kc, Hk, Dk]
+    conv_k: jax.Array,  # [Kc, Hk, Dk]
+    conv_v: jax.Array,  # [Kc, Hv, Dv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_weight: jax.Array,  # [Dv]
+    segment_ids: jax.Array,  # [B, L]
+    *,
+    eps: float,
+    chunk_size: int,
+    sp: int,
+    tile: int,
+) -> jax.Array:  # [B, L, Hv, Dv]
+    """The shard in two sweeps of `tile` tokens, so that no float32 array of the mixer spans the
+    shard: the first carries the shard's map (M, C) from tile to tile (each tile's conv, norms, gates
+    and both delta-rule passes, no outputs); the second, once the entering state is known, is the
+    tiled mixer (`gdn_tiling.tiled_gdn_core`) started from it. It recomputes the conv, norms, gates and
+    one delta-rule pass, to keep a long shard's memory at the tiled all-to-all mixer's."""
+    B, L, _, Dk = q.shape
+    Hv, Dv = v.shape[2:]
+    h = conv_q.shape[0] - 1
+    halo, reset = _halo_and_reset(q, k, v, segment_ids, h, sp)
+    seg_t, tiles, ids = tiled_inputs((q, k, v, b, a), segment_ids, tile, h, halo)
+
+    def one(state: jax.Array, xs: tuple[jax.Array, ...], ws: tuple[jax.Array, ...], ids_i: tuple[jax.Array, ...]
+            ) -> tuple[jax.Array, jax.Array]:  # [M | C] entering [B, Hv, Dk, Dk + Dv] -> (unused [B, 1], after)
+        qt, kt, vt, bt, at, hq, hk, hv = xs
+        st, hs = ids_i
+        qr, kr, vr, g, beta = rule_inputs(qt, kt, vt, bt, at, *ws, st, (hq, hk, hv, hs))
+        rule = dict(segment_ids=st, chunk_size=chunk_size)
+        _, c_after = chunked_gated_delta_rule(qr, kr, vr, g, beta, initial_state=state[..., Dk:], **rule)
+        _, m_after = chunked_gated_delta_rule(qr, kr, jnp.zeros((*vr.shape[:3], Dk), jnp.float32), g, beta,
+                                              initial_state=state[..., :Dk], **rule)
+        return jnp.zeros((B, 1), jnp.float32), jnp.concatenate([m_after, c_after], axis=-1)
+
+    eye = jnp.broadcast_to(jnp.eye(Dk, dtype=jnp.float32), (B, Hv, Dk, Dk))
+    state0 = jnp.concatenate([eye, jnp.zeros((B, Hv, Dk, Dv), jnp.float32)], axis=-1)  # M = I, C = 0
+    _, ends = tile_scan(one, state0, tiles, (conv_q, conv_k, conv_v, A_log, dt_bias), ids,
+                        document_starts_tile(seg_t))  # a document start inside the shard drops M and C
+    start = _entering_state(ends[..., :Dk], ends[..., Dk:], reset, sp)
+    segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size)
+    return tiled_gdn_core(segment, q, k, v, z, b, a, (conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight),
+                          segment_ids, tile=tile, halo=h, first_halo=halo, initial_state=start)
 
 
 def gdn_state_passing(
@@ -142,9 +217,11 @@ def gdn_state_passing(
     seq4, seq3, seq2 = P(batch, SP, None, None), P(batch, SP, None), P(batch, SP)
     in_specs = (seq4, seq4, seq4, seq4, seq3, seq3, P(), P(), P(), P(), P(), P(), seq2)
 
-    @apply_gdn_remat
-    def local(*args):
-        return _local_gdn(*args, eps=eps, chunk_size=chunk_size, sp=sp)
+    tile = delta_rule_tile(chunk_size)
+    if tile is not None and s // sp > tile:  # long shards: two sweeps of tiles (their backward is written out)
+        local = functools.partial(_tiled_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=tile)
+    else:
+        local = apply_gdn_remat(functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp))
 
     with jax.named_scope(GDN_STATE_SCOPE):
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq4, check_vma=False)(

@@ -45,21 +45,17 @@ def tiled_gdn_core(
     *,
     tile: int,
     halo: int,  # Kc - 1 tokens; at most `tile`
+    first_halo: tuple[jax.Array, ...] | None = None,  # raw q, k, v [B, halo, H, d] and ids [B, halo] before S
+    initial_state: jax.Array | None = None,  # [B, Hv, Dk, Dv] float32 entering the first tile
 ) -> jax.Array:  # [B, S, Hv, Dv]
+    """`segment` tile by tile. Without `first_halo` and `initial_state` the sequence starts at its
+    first token (zeros and padding before it, a zero state); with them it continues a sequence that
+    began on another device (GDN state passing)."""
     B, S, _, Dk = q.shape
     Hv, Dv = v.shape[2:]
     if not 0 <= halo <= tile:
         raise ValueError(f"conv halo of {halo} tokens does not fit a sequence tile of {tile}")
-
-    def before(xt: jax.Array) -> jax.Array:  # [n, B, tile, ...] -> [n, B, halo, ...]: the tokens before each tile
-        prev = xt[:-1, :, tile - halo:]
-        return jnp.concatenate([jnp.zeros_like(xt[:1, :, :halo]), prev], axis=0)
-
-    seg_t = stack_tiles(segment_ids.astype(jnp.int32), tile)  # [n, B, tile]
-    raw = tuple(stack_tiles(x, tile) for x in (q, k, v))
-    halos = tuple(before(x) for x in raw)  # zeros before the first tile
-    tiles = (*raw, *(stack_tiles(x, tile) for x in (z, b, a)), *halos)  # the differentiable inputs, per tile
-    ids = (seg_t, before(seg_t))  # the ids before the first tile are 0 (padding)
+    seg_t, tiles, ids = tiled_inputs((q, k, v, z, b, a), segment_ids, tile, halo, first_halo)
 
     def one(state: jax.Array, xs: tuple[jax.Array, ...], ws: tuple[Any, ...], ids_i: tuple[jax.Array, ...]
             ) -> tuple[jax.Array, jax.Array]:  # entering state -> (out [B, tile, Hv, Dv], state after)
@@ -67,6 +63,30 @@ def tiled_gdn_core(
         st, hs = ids_i
         return segment(qt, kt, vt, zt, bt, at, *ws, st, halo=(hq, hk, hv, hs), initial_state=state)
 
-    state0 = jnp.zeros((B, Hv, Dk, Dv), jnp.float32)
+    state0 = jnp.zeros((B, Hv, Dk, Dv), jnp.float32) if initial_state is None else initial_state
     out, _ = tile_scan(one, state0, tiles, weights, ids, document_starts_tile(seg_t))
     return unstack_tiles(out, S)
+
+
+def tiled_inputs(
+    xs: tuple[jax.Array, ...],  # raw q, k, v first, then any further [B, S, ...] inputs
+    segment_ids: jax.Array,  # [B, S]
+    tile: int,
+    halo: int,
+    first_halo: tuple[jax.Array, ...] | None,  # raw q, k, v [B, halo, H, d] and ids [B, halo], or None
+) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
+    """(ids [n, B, tile], per-tile inputs (each of `xs`, then the q, k, v halos), per-tile (ids, halo
+    ids)): every input stacked [n, B, tile, ...], each tile's conv halo the `halo` raw tokens before it
+    (`first_halo` before the first tile, or zeros with padding ids)."""
+    seg = segment_ids.astype(jnp.int32)
+    if first_halo is None:
+        first_halo = (*(jnp.zeros((x.shape[0], halo, *x.shape[2:]), x.dtype) for x in xs[:3]),
+                      jnp.zeros((seg.shape[0], halo), jnp.int32))
+
+    def before(xt: jax.Array, first: jax.Array) -> jax.Array:  # [n, B, tile, ...] -> [n, B, halo, ...]
+        return jnp.concatenate([first[None].astype(xt.dtype), xt[:-1, :, tile - halo:]], axis=0)
+
+    seg_t = stack_tiles(seg, tile)  # [n, B, tile]
+    stacked = tuple(stack_tiles(x, tile) for x in xs)
+    halos = tuple(before(x, f) for x, f in zip(stacked[:3], first_halo[:3]))
+    return seg_t, (*stacked, *halos), (seg_t, before(seg_t, first_halo[3]))

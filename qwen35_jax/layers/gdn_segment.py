@@ -1,0 +1,50 @@
+"""The gated DeltaNet mixer on T consecutive tokens of a sequence: conv1d + SiLU, L2 norms and gates
+(`gdn_inputs.rule_inputs`), the chunked delta rule from a given state, the gated RMSNorm.
+
+The unit that `gated_deltanet.gdn_core` runs on a whole sequence, `gdn_tiling.tiled_gdn_core` tile
+by tile and `gdn_state_passing` on sequence shards.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from qwen35_jax.layers.chunk_states import apply_gdn_remat
+from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+from qwen35_jax.layers.gdn_inputs import rule_inputs
+from qwen35_jax.layers.norms import gated_rms_norm
+
+
+def gdn_segment(
+    q: jax.Array,  # [B, T, Hk, Dk] raw, T tokens of a sequence
+    k: jax.Array,  # [B, T, Hk, Dk]
+    v: jax.Array,  # [B, T, Hv, Dv]
+    z: jax.Array,  # [B, T, Hv, Dv]
+    b: jax.Array,  # [B, T, Hv]
+    a: jax.Array,  # [B, T, Hv]
+    conv_q: jax.Array,  # [Kc, Hk, Dk]
+    conv_k: jax.Array,  # [Kc, Hk, Dk]
+    conv_v: jax.Array,  # [Kc, Hv, Dv]
+    A_log: jax.Array,  # [Hv]
+    dt_bias: jax.Array,  # [Hv]
+    norm_weight: jax.Array,  # [Dv]
+    segment_ids: jax.Array | None,  # [B, T]
+    *,
+    eps: float,
+    chunk_size: int,
+    halo: tuple[jax.Array, ...] | None = None,  # raw q, k, v [B, h, H, d] and ids [B, h] of the h tokens before
+    initial_state: jax.Array | None = None,  # [B, Hv, Dk, Dv] the delta-rule state entering the segment
+) -> tuple[jax.Array, jax.Array]:  # [B, T, Hv, Dv] in q.dtype, final state [B, Hv, Dk, Dv] float32
+    """`gdn_core` on T consecutive tokens: without `halo` the conv window starts at the first token
+    (zeros before it); with it, the conv reads the halo tokens (stopping at document starts). What the
+    backward pass keeps of it is `chunk_states.gdn_remat`'s choice."""
+    def segment(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids, halo,
+                initial_state):
+        dtype = q.dtype
+        q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
+        out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids,
+                                              initial_state=initial_state, chunk_size=chunk_size)
+        return gated_rms_norm(out.astype(dtype), z, norm_weight, eps), state  # [B, T, Hv, Dv]
+
+    return apply_gdn_remat(segment)(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight,
+                                    segment_ids, halo, initial_state)
