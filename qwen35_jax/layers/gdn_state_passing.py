@@ -18,7 +18,7 @@ Traffic per device and layer: halo 3 * (Kc - 1) tokens + all-gather of sp * B * 
 float32, independent of S. Compute: one extra delta-rule pass of width Dk.
 
 Shards longer than the sequence tile (`tiling.sequence_tile`) run in two sweeps of tiles instead
-(`_tiled_local_gdn`): the first carries (M, C) from tile to tile, the second is the tiled mixer
+(`_two_sweeps`): the first carries (M, C) from tile to tile, the second is the tiled mixer
 (`gdn_tiling.tiled_gdn_core`) from the folded S_0, so no float32 array spans the shard; it computes
 the conv, norms, gates and one delta-rule pass twice.
 """
@@ -114,14 +114,19 @@ def _local_gdn(
     eps: float,
     chunk_size: int,
     sp: int,
+    tile: int | None,
 ) -> jax.Array:  # [B, L, Hv, Dv]
-    """The whole shard at once: one pass with S_0 = 0 (outputs and C), one with S_0 = I and v = 0
-    (M_t^T q_t and M), then the outputs corrected by the folded entering state."""
+    """The whole shard at once (tile None): one pass with S_0 = 0 (outputs and C), one with S_0 = I
+    and v = 0 (M_t^T q_t and M), then the outputs corrected by the folded entering state. With a
+    tile, `_two_sweeps`."""
     B, L, _, Dk = q.shape
-    dtype = q.dtype
     halo, reset = _halo_and_reset(q, k, v, segment_ids, conv_q.shape[0] - 1, sp)
-    q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
-
+    weights = (conv_q, conv_k, conv_v, A_log, dt_bias)
+    if tile is not None:
+        return _two_sweeps((q, k, v, z, b, a), (*weights, norm_weight), segment_ids, halo, reset,
+                           eps=eps, chunk_size=chunk_size, sp=sp, tile=tile)
+    dtype = q.dtype
+    q, k, v, g, beta = rule_inputs(q, k, v, b, a, *weights, segment_ids, halo)
     rule = dict(segment_ids=segment_ids, chunk_size=chunk_size)
     out0, c_end = chunked_gated_delta_rule(q, k, v, g, beta, **rule)  # [B, L, Hv, Dv], [B, Hv, Dk, Dv]
     Hv = v.shape[2]
@@ -133,20 +138,12 @@ def _local_gdn(
     return gated_rms_norm(out.astype(dtype), z, norm_weight, eps)  # [B, L, Hv, Dv]
 
 
-def _tiled_local_gdn(
-    q: jax.Array,  # [B, L, Hk, Dk], L = S/sp: this device's shard
-    k: jax.Array,  # [B, L, Hk, Dk]
-    v: jax.Array,  # [B, L, Hv, Dv]
-    z: jax.Array,  # [B, L, Hv, Dv]
-    b: jax.Array,  # [B, L, Hv]
-    a: jax.Array,  # [B, L, Hv]
-    conv_q: jax.Array,  # [Kc, Hk, Dk]
-    conv_k: jax.Array,  # [Kc, Hk, Dk]
-    conv_v: jax.Array,  # [Kc, Hv, Dv]
-    A_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    norm_weight: jax.Array,  # [Dv]
+def _two_sweeps(
+    raw: tuple[jax.Array, ...],  # q, k, v, z, b, a of the shard, as `_local_gdn` takes them
+    weights: tuple[jax.Array, ...],  # conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight
     segment_ids: jax.Array,  # [B, L]
+    halo: tuple[jax.Array, ...],  # the raw q, k, v [B, Kc - 1, H, d] before the shard and their ids
+    reset: jax.Array,  # [B] the state handed in is dropped
     *,
     eps: float,
     chunk_size: int,
@@ -158,10 +155,10 @@ def _tiled_local_gdn(
     and both delta-rule passes, no outputs); the second, once the entering state is known, is the
     tiled mixer (`gdn_tiling.tiled_gdn_core`) started from it. It recomputes the conv, norms, gates and
     one delta-rule pass, to keep a long shard's memory at the tiled all-to-all mixer's."""
-    B, L, _, Dk = q.shape
+    q, k, v, z, b, a = raw
+    B, _, _, Dk = q.shape
     Hv, Dv = v.shape[2:]
-    h = conv_q.shape[0] - 1
-    halo, reset = _halo_and_reset(q, k, v, segment_ids, h, sp)
+    h = weights[0].shape[0] - 1
     seg_t, tiles, ids = tiled_inputs((q, k, v, b, a), segment_ids, tile, h, halo)
 
     def one(state: jax.Array, xs: tuple[jax.Array, ...], ws: tuple[jax.Array, ...], ids_i: tuple[jax.Array, ...]
@@ -177,12 +174,12 @@ def _tiled_local_gdn(
 
     eye = jnp.broadcast_to(jnp.eye(Dk, dtype=jnp.float32), (B, Hv, Dk, Dk))
     state0 = jnp.concatenate([eye, jnp.zeros((B, Hv, Dk, Dv), jnp.float32)], axis=-1)  # M = I, C = 0
-    _, ends = tile_scan(one, state0, tiles, (conv_q, conv_k, conv_v, A_log, dt_bias), ids,
+    _, ends = tile_scan(one, state0, tiles, weights[:5], ids,
                         document_starts_tile(seg_t))  # a document start inside the shard drops M and C
     start = _entering_state(ends[..., :Dk], ends[..., Dk:], reset, sp)
     segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size)
-    return tiled_gdn_core(segment, q, k, v, z, b, a, (conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight),
-                          segment_ids, tile=tile, halo=h, first_halo=halo, initial_state=start)
+    return tiled_gdn_core(segment, *raw, weights, segment_ids, tile=tile, halo=h, first_halo=halo,
+                          initial_state=start)
 
 
 def gdn_state_passing(
@@ -218,10 +215,10 @@ def gdn_state_passing(
     in_specs = (seq4, seq4, seq4, seq4, seq3, seq3, P(), P(), P(), P(), P(), P(), seq2)
 
     tile = delta_rule_tile(chunk_size)
-    if tile is not None and s // sp > tile:  # long shards: two sweeps of tiles (their backward is written out)
-        local = functools.partial(_tiled_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=tile)
-    else:
-        local = apply_gdn_remat(functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp))
+    local = functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=tile)
+    if tile is None or s // sp <= tile:
+        local = apply_gdn_remat(functools.partial(local, tile=None))
+    # else long shards: two sweeps of tiles, whose backward is written out (tiling.tile_scan)
 
     with jax.named_scope(GDN_STATE_SCOPE):
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq4, check_vma=False)(
