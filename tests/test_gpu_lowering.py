@@ -31,15 +31,17 @@ TRITON_ATTENTION = {"mha_forward", "mha_preprocess_backward", "mha_backward"}
 
 
 # remat "none": the blocks one after another (the GPU's default layout then); "full": scanned
-# tile: the long-context sequence tiling (`tiling.sequence_tile`), here 2 tiles of the GDN layers' 256 tokens
-@pytest.mark.parametrize("preset, attention, gdn_precision, gdn_mode, lm_head, remat, tile", [
-    ("tiny", "auto", None, "all_to_all", "gather", "none", None),
-    ("tiny", "cudnn", "bf16", "all_to_all", "gather", "full", None),
-    ("tiny-moe", "auto", None, "state_passing", "vocab_parallel", "full", None),
-    ("tiny", "auto", None, "all_to_all", "gather", "full", 128),
+# tile: the long-context sequence tiling (`tiling.sequence_tile`): 2 tiles of the GDN layers' 256 tokens
+# under all-to-all; 2 tiles of each 128-token shard under state passing (its two sweeps)
+@pytest.mark.parametrize("preset, attention, gdn_precision, gdn_mode, lm_head, remat, seq, tile", [
+    ("tiny", "auto", None, "all_to_all", "gather", "none", 256, None),
+    ("tiny", "cudnn", "bf16", "all_to_all", "gather", "full", 256, None),
+    ("tiny-moe", "auto", None, "state_passing", "vocab_parallel", "full", 256, None),
+    ("tiny", "auto", None, "all_to_all", "gather", "full", 256, 128),
+    ("tiny", "auto", None, "state_passing", "gather", "full", 512, 64),
 ])
 def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, preset, attention, gdn_precision, gdn_mode, lm_head,
-                                    remat, tile):
+                                    remat, seq, tile):
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     config = Qwen35Config.preset(preset, dtype="bfloat16", remat=remat)
@@ -49,7 +51,7 @@ def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, preset, attention, gd
     tx = make_optimizer(make_schedule(1e-4, 100))
     opt_state = init_opt_state(tx, params, mesh_2x4)
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-    rows = {name: np.zeros((1, 2, 256), np.int32) for name in ("tokens", "segment_ids", "loss_mask")}
+    rows = {name: np.zeros((1, 2, seq), np.int32) for name in ("tokens", "segment_ids", "loss_mask")}
     batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
              for (name, x), s in zip(rows.items(), batch_shardings(mesh_2x4, rows).values())}
 
