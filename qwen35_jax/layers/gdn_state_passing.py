@@ -96,6 +96,31 @@ def _entering_state(m_end: jax.Array, c_end: jax.Array, reset: jax.Array, sp: in
     return start
 
 
+def _state_map_passes(
+    q: jax.Array,  # [B, T, Hk, Dk] rule inputs (after conv, norms)
+    k: jax.Array,  # [B, T, Hk, Dk]
+    v: jax.Array,  # [B, T, Hv, Dv]
+    g: jax.Array,  # [B, T, Hv]
+    beta: jax.Array,  # [B, T, Hv]
+    m0: jax.Array,  # [B, Hv, Dk, Dk] the map entering these tokens (I at a shard start)
+    c0: jax.Array | None,  # [B, Hv, Dk, Dv] its constant part (None: 0)
+    *,
+    segment_ids: jax.Array,  # [B, T]
+    chunk_size: int,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """The two delta-rule passes of the affine state map S = M S_0 + C: values v from C's state
+    (outputs [B, T, Hv, Dv] and C after) and zero values from M's (M_t^T q_t [B, T, Hv, Dk] and M after)."""
+    rule = dict(segment_ids=segment_ids, chunk_size=chunk_size)
+    out_c, c_end = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=c0, **rule)
+    zeros = jnp.zeros((*v.shape[:3], q.shape[-1]), jnp.float32)
+    out_m, m_end = chunked_gated_delta_rule(q, k, zeros, g, beta, initial_state=m0, **rule)
+    return out_c, c_end, out_m, m_end
+
+
+def _identity_map(b: int, hv: int, dk: int) -> jax.Array:  # [B, Hv, Dk, Dk] float32
+    return jnp.broadcast_to(jnp.eye(dk, dtype=jnp.float32), (b, hv, dk, dk))
+
+
 def _local_gdn(
     q: jax.Array,  # [B, L, Hk, Dk], L = S/sp: this device's shard
     k: jax.Array,  # [B, L, Hk, Dk]
@@ -119,7 +144,7 @@ def _local_gdn(
     """The whole shard at once (tile None): one pass with S_0 = 0 (outputs and C), one with S_0 = I
     and v = 0 (M_t^T q_t and M), then the outputs corrected by the folded entering state. With a
     tile, `_two_sweeps`."""
-    B, L, _, Dk = q.shape
+    B, _, _, Dk = q.shape
     halo, reset = _halo_and_reset(q, k, v, segment_ids, conv_q.shape[0] - 1, sp)
     weights = (conv_q, conv_k, conv_v, A_log, dt_bias)
     if tile is not None:
@@ -127,12 +152,8 @@ def _local_gdn(
                            eps=eps, chunk_size=chunk_size, sp=sp, tile=tile)
     dtype = q.dtype
     q, k, v, g, beta = rule_inputs(q, k, v, b, a, *weights, segment_ids, halo)
-    rule = dict(segment_ids=segment_ids, chunk_size=chunk_size)
-    out0, c_end = chunked_gated_delta_rule(q, k, v, g, beta, **rule)  # [B, L, Hv, Dv], [B, Hv, Dk, Dv]
-    Hv = v.shape[2]
-    eye = jnp.broadcast_to(jnp.eye(Dk, dtype=jnp.float32), (B, Hv, Dk, Dk))
-    mq, m_end = chunked_gated_delta_rule(q, k, jnp.zeros((B, L, Hv, Dk), jnp.float32), g, beta,
-                                         initial_state=eye, **rule)  # [B, L, Hv, Dk], [B, Hv, Dk, Dk]
+    out0, c_end, mq, m_end = _state_map_passes(q, k, v, g, beta, _identity_map(B, v.shape[2], Dk), None,
+                                               segment_ids=segment_ids, chunk_size=chunk_size)
     start = _entering_state(m_end, c_end, reset, sp)
     out = out0 + jnp.einsum("bshk,bhkv->bshv", mq, start, precision=jax.lax.Precision.HIGHEST)
     return gated_rms_norm(out.astype(dtype), z, norm_weight, eps)  # [B, L, Hv, Dv]
@@ -159,23 +180,21 @@ def _two_sweeps(
     B, _, _, Dk = q.shape
     Hv, Dv = v.shape[2:]
     h = weights[0].shape[0] - 1
-    seg_t, tiles, ids = tiled_inputs((q, k, v, b, a), segment_ids, tile, h, halo)
+    tiles, ids = tiled_inputs((q, k, v, b, a), segment_ids, tile, h, halo)
 
     def one(state: jax.Array, xs: tuple[jax.Array, ...], ws: tuple[jax.Array, ...], ids_i: tuple[jax.Array, ...]
             ) -> tuple[jax.Array, jax.Array]:  # [M | C] entering [B, Hv, Dk, Dk + Dv] -> (unused [B, 1], after)
         qt, kt, vt, bt, at, hq, hk, hv = xs
         st, hs = ids_i
         qr, kr, vr, g, beta = rule_inputs(qt, kt, vt, bt, at, *ws, st, (hq, hk, hv, hs))
-        rule = dict(segment_ids=st, chunk_size=chunk_size)
-        _, c_after = chunked_gated_delta_rule(qr, kr, vr, g, beta, initial_state=state[..., Dk:], **rule)
-        _, m_after = chunked_gated_delta_rule(qr, kr, jnp.zeros((*vr.shape[:3], Dk), jnp.float32), g, beta,
-                                              initial_state=state[..., :Dk], **rule)
+        _, c_after, _, m_after = _state_map_passes(qr, kr, vr, g, beta, state[..., :Dk], state[..., Dk:],
+                                                   segment_ids=st, chunk_size=chunk_size)
         return jnp.zeros((B, 1), jnp.float32), jnp.concatenate([m_after, c_after], axis=-1)
 
-    eye = jnp.broadcast_to(jnp.eye(Dk, dtype=jnp.float32), (B, Hv, Dk, Dk))
-    state0 = jnp.concatenate([eye, jnp.zeros((B, Hv, Dk, Dv), jnp.float32)], axis=-1)  # M = I, C = 0
+    state0 = jnp.concatenate([_identity_map(B, Hv, Dk), jnp.zeros((B, Hv, Dk, Dv), jnp.float32)],
+                             axis=-1)  # M = I, C = 0
     _, ends = tile_scan(one, state0, tiles, weights[:5], ids,
-                        document_starts_tile(seg_t))  # a document start inside the shard drops M and C
+                        document_starts_tile(ids[0]))  # a document start inside the shard drops M and C
     start = _entering_state(ends[..., :Dk], ends[..., Dk:], reset, sp)
     segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size)
     return tiled_gdn_core(segment, *raw, weights, segment_ids, tile=tile, halo=h, first_halo=halo,
@@ -215,10 +234,10 @@ def gdn_state_passing(
     in_specs = (seq4, seq4, seq4, seq4, seq3, seq3, P(), P(), P(), P(), P(), P(), seq2)
 
     tile = delta_rule_tile(chunk_size)
-    local = functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=tile)
-    if tile is None or s // sp <= tile:
-        local = apply_gdn_remat(functools.partial(local, tile=None))
-    # else long shards: two sweeps of tiles, whose backward is written out (tiling.tile_scan)
+    if tile is not None and s // sp > tile:  # long shards: two sweeps of tiles, their backward written out
+        local = functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=tile)
+    else:
+        local = apply_gdn_remat(functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=None))
 
     with jax.named_scope(GDN_STATE_SCOPE):
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq4, check_vma=False)(

@@ -55,7 +55,7 @@ def tiled_gdn_core(
     Hv, Dv = v.shape[2:]
     if not 0 <= halo <= tile:
         raise ValueError(f"conv halo of {halo} tokens does not fit a sequence tile of {tile}")
-    seg_t, tiles, ids = tiled_inputs((q, k, v, z, b, a), segment_ids, tile, halo, first_halo)
+    tiles, ids = tiled_inputs((q, k, v, z, b, a), segment_ids, tile, halo, first_halo)
 
     def one(state: jax.Array, xs: tuple[jax.Array, ...], ws: tuple[Any, ...], ids_i: tuple[jax.Array, ...]
             ) -> tuple[jax.Array, jax.Array]:  # entering state -> (out [B, tile, Hv, Dv], state after)
@@ -64,7 +64,7 @@ def tiled_gdn_core(
         return segment(qt, kt, vt, zt, bt, at, *ws, st, halo=(hq, hk, hv, hs), initial_state=state)
 
     state0 = jnp.zeros((B, Hv, Dk, Dv), jnp.float32) if initial_state is None else initial_state
-    out, _ = tile_scan(one, state0, tiles, weights, ids, document_starts_tile(seg_t))
+    out, _ = tile_scan(one, state0, tiles, weights, ids, document_starts_tile(ids[0]))
     return unstack_tiles(out, S)
 
 
@@ -74,10 +74,10 @@ def tiled_inputs(
     tile: int,
     halo: int,
     first_halo: tuple[jax.Array, ...] | None,  # raw q, k, v [B, halo, H, d] and ids [B, halo], or None
-) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
-    """(ids [n, B, tile], per-tile inputs (each of `xs`, then the q, k, v halos), per-tile (ids, halo
-    ids)): every input stacked [n, B, tile, ...], each tile's conv halo the `halo` raw tokens before it
-    (`first_halo` before the first tile, or zeros with padding ids)."""
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, jax.Array]]:
+    """(per-tile inputs: each of `xs`, then the q, k, v halos; per-tile ids [n, B, tile] and halo ids
+    [n, B, halo]): every input stacked [n, B, tile, ...], each tile's conv halo the `halo` raw tokens
+    before it (`first_halo` before the first tile, or zeros with padding ids)."""
     seg = segment_ids.astype(jnp.int32)
     if first_halo is None:
         first_halo = (*(jnp.zeros((x.shape[0], halo, *x.shape[2:]), x.dtype) for x in xs[:3]),
@@ -89,4 +89,4 @@ def tiled_inputs(
     seg_t = stack_tiles(seg, tile)  # [n, B, tile]
     stacked = tuple(stack_tiles(x, tile) for x in xs)
     halos = tuple(before(x, f) for x, f in zip(stacked[:3], first_halo[:3]))
-    return seg_t, (*stacked, *halos), (seg_t, before(seg_t, first_halo[3]))
+    return (*stacked, *halos), (seg_t, before(seg_t, first_halo[3]))
