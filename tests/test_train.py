@@ -5,6 +5,7 @@ decay skips vectors, and the .npy batch stream."""
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -15,6 +16,7 @@ from qwen35_jax.scoring import score_batches
 from qwen35_jax.train import (ArrayBatches, StepOptions, check_batch_size, init_opt_state, make_optimizer,
                               make_schedule, make_train_step, place_batch, synthetic_data)
 from qwen35_jax.train.optim import decays
+from qwen35_jax.train.step import UPDATE_FORMS, update_form, update_if
 
 # large enough that the embedding and MLP weights pass MIN_SHARDED_SIZE and are ZeRO-3 sharded
 CONFIG = Qwen35Config.preset("tiny", vocab_size=512, intermediate_size=256)
@@ -146,6 +148,28 @@ def test_non_finite_batch_changes_nothing(base_model):
     jax.tree.map(np.testing.assert_array_equal, before[1], jax.tree.map(np.asarray, state.opt_state))
     host["advantages"][1, 3] = 1.0
     assert state.step(host)["applied"] == 1.0  # the next good batch trains
+
+
+@pytest.mark.parametrize("form", UPDATE_FORMS)
+@pytest.mark.parametrize("ok", [True, False])
+def test_update_if_forms_agree_bit_for_bit(form, ok):
+    # both ways of skipping a non-finite update (the CPU's cond, the GPU's select), under jit: the
+    # update when ok, else the inputs exactly, even when the rejected update is NaN
+    tx = make_optimizer(make_schedule(1e-2, 10))
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(3)}
+    opt_state = tx.init(params)
+    grads = {"w": jnp.full((2, 3), 0.5), "b": jnp.array([1.0, jnp.nan, 2.0])}
+    if ok:
+        grads["b"] = grads["b"].at[1].set(-1.0)
+
+    def update(p, s):
+        updates, s = tx.update(grads, s, p)
+        return optax.apply_updates(p, updates), s
+
+    got = jax.jit(lambda p, s: update_if(jnp.asarray(ok), update, p, s, form=form))(params, opt_state)
+    want = jax.jit(update)(params, opt_state) if ok else (params, opt_state)
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+    assert update_form("cpu") == "cond" and update_form("gpu") == "select" == update_form("tpu")
 
 
 def test_optimizer_state_follows_parameter_shardings(base_model):
