@@ -3,6 +3,7 @@
 
     python scripts/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --device-memory 141GB
     python scripts/bench_long_context.py --preset 0.8B --mesh fsdp=1,sp=1 --seq 262144 --json
+    python scripts/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --target h200
 
 The step: sequence-sharded forward, fused log-prob loss, gradients, clipping and AdamW, float32
 master weights and moments ZeRO-3 sharded, bf16 compute, one sequence per fsdp row. It is lowered
@@ -10,8 +11,10 @@ from abstract inputs (nothing is allocated) and compiled; per device it needs ar
 temporaries - aliased bytes (`memory_analysis()`). Without --seq the longest S that fits
 --device-memory is searched (powers of two, then refined; every length reported was compiled).
 On a CPU host the devices are simulated; XLA:CPU buffers differently from XLA:GPU, so the figure is
-an estimate. The program traced is the one a GPU runs: the Pallas attention and GDN chunk-state
-kernels (interpret mode on CPU), `scan_layers` resolved as on a GPU.
+an estimate; with --target h100|h200 XLA:GPU itself compiles the step for that GPU (no GPU needed,
+`pip install -e ".[gpu-compile]"`), and the figure is the device's own. The program traced is the
+one a GPU runs: the Pallas attention and GDN chunk-state kernels (interpret mode on CPU),
+`scan_layers` resolved as on a GPU.
 """
 
 import argparse
@@ -24,7 +27,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--preset", default="9B", help="Qwen35Config preset (default 9B)")
     parser.add_argument("--mesh", default="fsdp=1,sp=8", help="device mesh 'fsdp=F,sp=S' (default fsdp=1,sp=8)")
-    parser.add_argument("--device-memory", default="141GB", help="bytes per device, e.g. 141GB or 80GiB (default 141GB)")
+    parser.add_argument("--device-memory", default=None,
+                        help="bytes per device, e.g. 141GB or 80GiB (default: the --target's, else 141GB)")
+    parser.add_argument("--target", default=None, help="compile with XLA:GPU for this GPU (h100 or h200) instead "
+                        "of this machine's devices; needs pip install -e '.[gpu-compile]', no GPU")
     parser.add_argument("--seq", type=int, help="check this one length instead of searching")
     parser.add_argument("--remat", default="nested", help="remat policy (default nested; see REMAT_POLICIES)")
     parser.add_argument("--gdn-mode", default="all_to_all", help="GDN sp mode: all_to_all or state_passing")
@@ -37,14 +43,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.target:  # the CUDA plugin registers its compiler either way; this keeps it from looking for a device
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                    + f" --xla_force_host_platform_device_count={args.devices}").strip()
     from qwen35_jax.memory.report import run
 
-    result = run(preset=args.preset, mesh=args.mesh, device_memory=args.device_memory, seq=args.seq,
+    device_memory = args.device_memory or (None if args.target else "141GB")
+    result = run(preset=args.preset, mesh=args.mesh, device_memory=device_memory, seq=args.seq,
                  remat=args.remat, gdn_mode=args.gdn_mode, tile=args.tile or None, start=args.start,
-                 log=None if args.json else print)
+                 target=args.target, log=None if args.json else print)
     if args.json:
         print(json.dumps(result))
     return 0
@@ -53,6 +62,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except ValueError as err:
+    except (ValueError, RuntimeError) as err:
         print(f"bench_long_context: {err}", file=sys.stderr)
         sys.exit(2)

@@ -61,3 +61,10 @@ def breakdown_table(pieces: list[dict]) -> str:
         lines.append(f"| {r['piece'].strip()} | {r['fwd_s']:.3f} | {r['fwd_bwd_s']:.3f} | "
                      f"{(r['fwd_bwd_s'] - r['fwd_s']) / r['fwd_s']:.2f} |")
     return "\n".join(lines)
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    """A markdown table of `rows` (cells printed with str) under `header`."""
+    lines = ["| " + " | ".join(header) + " |", "|" + " --- |" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)

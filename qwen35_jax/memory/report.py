@@ -20,10 +20,14 @@ def components(m: StepMemory) -> dict[str, int]:
             "temporaries (activations, gradients, workspace)": m.temporaries}
 
 
-def run(*, preset: str, mesh: str, device_memory: str, seq: int | None = None, remat: str = "nested",
+def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = None, remat: str = "nested",
         gdn_mode: str = "all_to_all", tile: int | None = 8192, start: int | None = None,
-        log: Callable[[str], None] | None = print) -> dict[str, Any]:
+        target: str | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+    """target: a GPU of `gpu_targets.GPU_TARGETS` whose compiler sizes the step (device_memory None:
+    that GPU's); None: this process's devices (simulated ones on CPU, device_memory required)."""
     import jax
+
+    from qwen35_jax.memory.gpu_targets import GPU_TARGETS
 
     from qwen35_jax.parallel.mesh import parse_mesh
 
@@ -33,16 +37,21 @@ def run(*, preset: str, mesh: str, device_memory: str, seq: int | None = None, r
                          "choice between 'none' and 'full' at its first step)")
     if gdn_mode not in GDN_MODES:
         raise ValueError(f"--gdn-mode {gdn_mode!r} is not one of {GDN_MODES}")
-    limit = parse_bytes(device_memory)
+    if target is not None and target not in GPU_TARGETS:
+        raise ValueError(f"--target {target!r} is not one of {sorted(GPU_TARGETS)}")
+    if device_memory is None and target is None:
+        raise ValueError("--device-memory is needed without --target")
+    limit = GPU_TARGETS[target].memory_bytes if device_memory is None else parse_bytes(device_memory)
     fsdp, sp = parse_mesh(mesh, fsdp_sp_product(mesh))
-    if fsdp * sp > jax.device_count():
+    if target is None and fsdp * sp > jax.device_count():
         raise ValueError(f"--mesh {mesh} needs {fsdp * sp} devices, there are {jax.device_count()}")
     config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
+    compiler = f"XLA:GPU for {GPU_TARGETS[target].description}" if target else f"XLA:{jax.default_backend().upper()}"
     say = log or (lambda _: None)
-    granule = sp * config.gdn_chunk(jax.default_backend())
+    granule = sp * config.gdn_chunk("gpu" if target else jax.default_backend())
 
     def measure(s: int) -> StepMemory:
-        return step_memory(config, s, (fsdp, sp), gdn_mode=gdn_mode, tile=tile)
+        return step_memory(config, s, (fsdp, sp), gdn_mode=gdn_mode, tile=tile, target=target)
 
     if seq is not None:
         if seq < 1:
@@ -57,7 +66,7 @@ def run(*, preset: str, mesh: str, device_memory: str, seq: int | None = None, r
             guess = max(granule, (limit - fixed) / max(per_token / granule, 1) / 4)
             start = 2 ** max(int(math.log2(granule)), int(math.log2(guess)))
         say(f"# {preset}, mesh fsdp={fsdp},sp={sp}, remat {remat}, GDN {gdn_mode}, tile {tile}, "
-            f"limit {limit / 2**30:.1f} GiB per device")
+            f"limit {limit / 2**30:.1f} GiB per device, compiled by {compiler}")
         found, _ = longest_fitting(measure, limit, start=start, granule=granule, log=say)
         if found is None:
             best, fits = measure(granule), False
@@ -65,7 +74,7 @@ def run(*, preset: str, mesh: str, device_memory: str, seq: int | None = None, r
             best, fits = found, True
     parts = components(best)
     budget = step_budget(config, best.seq, (fsdp, sp), tile=tile)
-    say(f"\nS = {best.seq:,} tokens ({best.seq // sp:,} per device): {'fits' if fits else 'does not fit'}, "
+    say(f"\n{compiler}: S = {best.seq:,} tokens ({best.seq // sp:,} per device): {'fits' if fits else 'does not fit'}, "
         f"{best.total / 2**30:.2f} GiB per device (compile {best.compile_s:.0f} s)")
     for name, value in parts.items():
         say(f"  {name:<50} {value / 2**30:9.2f} GiB")
@@ -74,7 +83,7 @@ def run(*, preset: str, mesh: str, device_memory: str, seq: int | None = None, r
         say(f"  {name:<50} {value / 2**30:9.2f} GiB")
     return {"preset": preset, "mesh": f"fsdp={fsdp},sp={sp}", "seq": best.seq, "fits": fits,
             "total_bytes": best.total, "components": parts, "budget": budget, "remat": remat,
-            "gdn_mode": gdn_mode, "tile": tile, "device_memory": limit, "compile_s": round(best.compile_s, 1)}
+            "gdn_mode": gdn_mode, "tile": tile, "device_memory": limit, "target": target, "compile_s": round(best.compile_s, 1)}
 
 
 def fsdp_sp_product(spec: str) -> int:

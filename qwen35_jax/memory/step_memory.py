@@ -23,8 +23,10 @@ from jax.sharding import NamedSharding
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention_kernels import attention_implementation
 from qwen35_jax.layers.chunk_states import gdn_chunk_scan
-from qwen35_jax.layers.tiling import DEFAULT_SEQUENCE_TILE, sequence_tile
+from qwen35_jax.layers.gdn_matmul import gdn_precision as gdn_matmul_precision
 from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
+from qwen35_jax.layers.tiling import DEFAULT_SEQUENCE_TILE, sequence_tile
+from qwen35_jax.memory.gpu_targets import compile_only_devices, traced_as_gpu
 from qwen35_jax.model import scans_layers
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings
 from qwen35_jax.train.optim import make_optimizer, make_schedule, opt_state_shardings
@@ -68,17 +70,26 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
                        gdn_mode: str = "all_to_all", attention: str = "pallas",
                        gdn_scan: str = "pallas", tile: int | None = DEFAULT_SEQUENCE_TILE,
                        lm_head_mode: str = "gather", batch: int | None = None,
-                       devices: list[Any] | None = None) -> tuple[Any, float]:
+                       devices: list[Any] | None = None, gdn_precision: str | None = None,
+                       target: str | None = None) -> tuple[Any, float]:
     """Lower and compile the whole train step for one [batch, seq] batch (batch default: fsdp).
 
     By default the program an H200 runs: attention ("pallas": the GPU flash kernel, no [S, S] or
     [block, S] scores) and the GDN chunk-state scan (`gdn_chunk_scan`, "pallas": the Triton kernel,
     whose mixers keep only their inputs and chunk states) lower in interpret mode on CPU, and a
     `scan_layers` of "auto" is resolved as on a GPU (`scans_layers`). tile: `sequence_tile` (None:
-    untiled). lm_head_mode: as `score_tokens` takes it."""
+    untiled). lm_head_mode: as `score_tokens` takes it. gdn_precision: the chunked delta rule's matmul
+    precision (`gdn_matmul.gdn_precision`; None: the backend's default). devices: the mesh's devices
+    (default: this process's). target: a GPU of `gpu_targets.GPU_TARGETS` to compile for with XLA:GPU
+    instead, on compile-only devices of it (no GPU needed): that device's own program and memory."""
+    fsdp, sp = mesh_shape
+    if target is not None:  # all of it traced as on a GPU, the jit's compiler options included
+        with traced_as_gpu():
+            return compile_train_step(config, seq, mesh_shape, gdn_mode=gdn_mode, attention=attention,
+                                      gdn_scan=gdn_scan, tile=tile, lm_head_mode=lm_head_mode, batch=batch,
+                                      devices=compile_only_devices(target, fsdp * sp), gdn_precision=gdn_precision)
     if config.scan_layers == "auto":
         config = config.replace(scan_layers=scans_layers(config, backend="gpu"))
-    fsdp, sp = mesh_shape
     devs = list(jax.devices() if devices is None else devices)[: fsdp * sp]
     mesh = make_mesh(mesh_shape, devices=devs)
     tx = make_optimizer(make_schedule(1e-5, 1000))  # the trainer's AdamW + clipping: its state is what counts
@@ -91,7 +102,7 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     start = time.time()
     mode = gdn_sp_mode(gdn_mode) if sp > 1 else contextlib.nullcontext()
     with (jax.set_mesh(mesh), mode, attention_implementation(attention), gdn_chunk_scan(gdn_scan),
-          sequence_tile(tile)):
+          sequence_tile(tile), gdn_matmul_precision(gdn_precision)):
         compiled = step.lower(params, opt_state, batch_arrays).compile()
     return compiled, time.time() - start
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 COLLECTIVES = ("all-to-all", "all-gather", "all-reduce", "reduce-scatter", "collective-permute")
 
-_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2,
+DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2,
           "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _LINE = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|[\w]+\[[\d,]*\](?:\{[^}]*\})?) "
@@ -48,7 +48,7 @@ class Collective:
             n = 1
             for d in dims:
                 n *= d
-            total += n * _BYTES.get(dtype, 4)
+            total += n * DTYPE_BYTES.get(dtype, 4)
         return total
 
 
