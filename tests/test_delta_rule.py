@@ -105,7 +105,7 @@ def test_pallas_chunk_states_lower_for_gpu(precision):
     args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes]
     text = jax.jit(jax.grad(loss, range(5))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @__gpu$xla.gpu.triton" in text
-    assert {"gdn_chunk_states", "gdn_chunk_states_reverse"} <= set(re.findall(r'name = "(\w+)"', text))
+    assert {"gdn_chunk_states", "gdn_chunk_states_reverse", "gdn_chunk_gradients"} <= set(re.findall(r'name = "(\w+)"', text))
 
 
 def test_chunk_scan_setting_per_backend_and_context():

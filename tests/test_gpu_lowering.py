@@ -26,7 +26,7 @@ from qwen35_jax.parallel.mesh import create_sharded
 from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule
 from qwen35_jax.train.step import batch_shardings, make_train_step
 
-GDN_KERNELS = {"gdn_chunk_states", "gdn_chunk_states_reverse"}
+GDN_KERNELS = {"gdn_chunk_states", "gdn_chunk_states_reverse", "gdn_chunk_gradients"}
 TRITON_ATTENTION = {"mha_forward", "mha_preprocess_backward", "mha_backward"}
 
 

@@ -15,10 +15,10 @@ cotangent arriving on the output S_c itself,
 
     G_n = dS_n,    G_c = dS_c + d_c G_c+1 - w_c^T (k_c G_c+1)          (the transposed map)
 
-is the same kernel run in reverse, with (k, w) swapped and dS added. The kernel hands back every G_c;
-the gradients of u, w, k, d follow from them and the saved states as batched matmuls in XLA:
-v_c = u_c - w_c S_c, dv_c = k_c G_c+1, du_c = dv_c, dw_c = -dv_c S_c^T, dk_c = v_c G_c+1^T,
-dd_c = <S_c, G_c+1>, and the initial state's gradient is G_0.
+is the same kernel run in reverse, with (k, w) swapped and dS added. It hands back every G_c; a
+third kernel, one program per chunk and head, turns them and the saved states into the gradients
+of u, w, k, d: v_c = u_c - w_c S_c, dv_c = k_c G_c+1, du_c = dv_c, dw_c = -dv_c S_c^T,
+dk_c = v_c G_c+1^T, dd_c = <S_c, G_c+1>; the initial state's gradient is G_0.
 
 Everything is float32; the matmuls run at `prec` (None: TF32 tensor cores on a GPU, HIGHEST: IEEE
 float32, "bf16": both operands rounded to bfloat16, the keys read as bfloat16; `gdn_matmul.py`).
@@ -38,13 +38,16 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, gdn_einsum, round_to_bf16
+from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, round_to_bf16
 from qwen35_jax.layers.trace_setting import scoped
 
 CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.gdn_remat)
 # (state columns per program, Triton warps per program): [Dk, 64] float32 lives in registers at
 # Dk = 128, and B x H x Dv / 64 programs run side by side (32 at one row of the 0.8B's 16 heads).
 DEFAULT_BLOCKS = (64, 4)
+# The chunk-gradient kernel holds dw and dk ([L, Dk] float32 each: 64 KiB at L = 64, Dk = 128) across
+# the column blocks: eight warps keep that at 64 registers a thread.
+GRADIENT_KERNEL_WARPS = 8
 _blocks: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("gdn_kernel_blocks",
                                                                          default=DEFAULT_BLOCKS)
 
@@ -164,14 +167,66 @@ def _entering_states_bwd(prec, interpret, res, d_states):
     # G_c for c = 0..n: the reverse map with (k, w) swapped, no b, dS_c added, from G_n = dS_n
     grads = _recurrence(w, k, None, decay, d_states[:, -1], d_states, reverse=True, prec=prec,
                         interpret=interpret)
-    h, g_next = states[:, :-1], grads[:, 1:]  # S_c and G_c+1, [B, n, H, Dk, Dv]
-    mm = functools.partial(gdn_einsum, prec=prec)
-    v = u - mm("bnhlk,bnhkv->bnhlv", w, h)
-    dv = mm("bnhlk,bnhkv->bnhlv", k, g_next)  # [B, n, H, L, Dv]
-    dw = -mm("bnhlv,bnhkv->bnhlk", dv, h)
-    dk = mm("bnhlv,bnhkv->bnhlk", v, g_next)
-    d_decay = jnp.sum(h * g_next, axis=(-2, -1))
+    dv, dw, dk, d_decay = _chunk_gradients(u, w, k, states, grads, prec=prec, interpret=interpret)
     return dv, dw, dk, d_decay, grads[:, 0]
+
+
+def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array, grads: jax.Array, *, prec,
+                     interpret: bool) -> tuple[jax.Array, ...]:
+    """Per chunk c, from S_c = states[:, c] and G_c+1 = grads[:, c + 1]: v = u - w S, dv = k G,
+    dw = -dv S^T, dk = v G^T, dd = <S, G>. One program per (sequence, chunk, head), every chunk at
+    once; each reads its two states once and keeps v, dv's partial products and the sums in registers
+    (as batched XLA matmuls these were a dozen passes over [B, n, H, L, D] and [B, n, H, Dk, Dv] arrays).
+
+    u [B, n, H, L, Dv], w, k [B, n, H, L, Dk], states, grads [B, n + 1, H, Dk, Dv] float32 ->
+    dv [B, n, H, L, Dv], dw, dk [B, n, H, L, Dk], dd [B, n, H] float32.
+    """
+    B, n, H, L, Dk = w.shape
+    Dv = u.shape[-1]
+    if bf16_operands(prec):  # the kernel would round them anyway: read half the bytes
+        w, k = w.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    bv = min(_blocks.get()[0], Dv)
+    dot = functools.partial(_dot, prec=prec, interpret=interpret)
+    rows_by_cols = (((1,), (0,)), ((), ()))  # [L, Dk] x [Dk, bv]
+    cols_by_cols = (((1,), (1,)), ((), ()))  # [L, bv] x [Dk, bv]^T
+
+    def kernel(u_ref, w_ref, k_ref, s_ref, g_ref, dv_ref, dw_ref, dk_ref, dd_ref):
+        w_c, k_c = w_ref[...], k_ref[...]  # [L, Dk]
+        dw = jnp.zeros((L, Dk), jnp.float32)
+        dk = jnp.zeros((L, Dk), jnp.float32)
+        dd = jnp.zeros((), jnp.float32)
+        for j in range(Dv // bv):  # the state's column blocks: dw, dk and dd sum over them
+            cols = pl.ds(j * bv, bv)
+            s, g = s_ref[:, cols], g_ref[:, cols]  # S_c, G_c+1 [Dk, bv]
+            v = u_ref[:, cols] - dot(w_c, s, rows_by_cols)  # [L, bv]
+            dv = dot(k_c, g, rows_by_cols)
+            dv_ref[:, cols] = dv
+            dw = dw - dot(dv, s, cols_by_cols)
+            dk = dk + dot(v, g, cols_by_cols)
+            dd = dd + jnp.sum(s * g)
+        dw_ref[...] = dw
+        dk_ref[...] = dk
+        dd_ref[...] = dd
+
+    def chunk(d):
+        return pl.BlockSpec((None, None, None, L, d), lambda b, c, h: (b, c, h, 0, 0))
+
+    def state(shift):  # S_c (shift 0) or G_c+1 (shift 1) of the n + 1 states
+        return pl.BlockSpec((None, None, None, Dk, Dv), lambda b, c, h: (b, c + shift, h, 0, 0))
+
+    return pl.pallas_call(
+        kernel,
+        grid=(B, n, H),
+        in_specs=[chunk(Dv), chunk(Dk), chunk(Dk), state(0), state(1)],
+        out_specs=[chunk(Dv), chunk(Dk), chunk(Dk), pl.BlockSpec((None, None, None), lambda b, c, h: (b, c, h))],
+        out_shape=[jax.ShapeDtypeStruct((B, n, H, L, Dv), jnp.float32),
+                   jax.ShapeDtypeStruct((B, n, H, L, Dk), jnp.float32),
+                   jax.ShapeDtypeStruct((B, n, H, L, Dk), jnp.float32),
+                   jax.ShapeDtypeStruct((B, n, H), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
+        interpret=interpret,
+        name="gdn_chunk_gradients",
+    )(u, w, k, states, grads)
 
 
 _entering_states.defvjp(_entering_states_fwd, _entering_states_bwd)
