@@ -39,6 +39,15 @@ def test_loop_runs_dot_flops_and_in_place_updates():
     assert 5 * 2 * 8 * 128 * 4 <= update.bytes <= 5 * (2 * 8 * 128 * 4 + 16)
 
 
+def test_a_slice_after_a_convert_reads_only_the_slice():
+    # one layer of a stacked float32 parameter taken in bfloat16 (what a model's blocks do with their
+    # weights): XLA fuses convert -> slice, and the fusion reads the [256, 512] slice, not all six
+    stacked = jnp.ones((6, 256, 512))
+    kernels = census(compiled_text(
+        lambda a: jnp.concatenate([a.astype(jnp.bfloat16)[2], a.astype(jnp.bfloat16)[4]], axis=1), stacked))
+    assert len([k for k in kernels if k.bytes == 256 * 512 * (4 + 2)]) == 2, kernels
+
+
 def test_a_conditional_counts_its_larger_branch():
     def f(pred, x):
         return lax.cond(pred, lambda x: jnp.sin(jnp.cos(x) @ x), lambda x: x, x)

@@ -8,8 +8,9 @@ into the least time a device could take for it. Together: where a step's memory 
 lower bound on its time, for a GPU that is not here (`gpu_compile.py`).
 
 What the byte counts assume: a kernel reads each operand once and writes its output once, except that
-an operand read only through slices counts as the slices, and a buffer updated in place by a
-dynamic-update-slice counts as the update (as in a loop that fills one tile per iteration). Inside a
+an operand read only through slices (directly or after element-wise unary ops such as a convert)
+counts as the slices, and a buffer updated in place by a dynamic-update-slice counts as the update
+(as in a loop that fills one tile per iteration). Inside a
 `conditional` only the largest branch counts (the step's only one is the optimizer update, whose other
 branch skips it). A Pallas/Triton call's FLOPs are unknown here (0): its time is bounded by its bytes
 alone.
@@ -28,6 +29,9 @@ _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\
 _FREE = {"parameter", "get-tuple-element", "bitcast", "tuple", "constant", "after-all", "partition-id",
          "replica-id"}
 PROJECT_PATHS = ("/qwen35_jax/", "/qwen35_kernels/")
+# ops that keep their operand's elements one for one: a slice after them reads only what it keeps
+_UNARY = {"convert", "bitcast", "bitcast-convert", "reshape", "copy", "negate", "abs", "exponential", "log",
+          "tanh", "sqrt", "rsqrt", "logistic", "sign", "floor", "ceil", "round-nearest-even", "not"}
 
 
 @dataclass(frozen=True)
@@ -66,6 +70,13 @@ def shape_bytes(type_text: str) -> int:
             n *= int(d)
         total += n * DTYPE_BYTES[dtype]
     return total
+
+
+def _elements(type_text: str) -> int:
+    n = 1
+    for d in _dims(type_text):
+        n *= d
+    return n
 
 
 def _dims(type_text: str) -> list[int]:
@@ -160,19 +171,34 @@ class _Program:
         """(bytes read, bytes written) of one run of a fusion (see the module docstring)."""
         body = self.computations[computation]
         params = {i.name: int(i.arguments) for i in body if i.op == "parameter"}
-        users: dict[str, list[tuple[Instruction, int]]] = {p: [] for p in params}
+        users: dict[str, list[tuple[Instruction, int]]] = {i.name: [] for i in body}
         for i in body:
             for position, operand in enumerate(i.operands):
                 if operand in users:
                     users[operand].append((i, position))
+
+        def read_fraction(name: str, elements: int) -> float:
+            """Of an array of `elements` elements, the fraction the fusion reads: through element-wise
+            unary ops to the slices taken of it (an in-place update's buffer is not read)."""
+            uses = users.get(name, [])
+            if not uses:
+                return 1.0
+            total = 0.0
+            for u, position in uses:
+                if position == 0 and u.op in ("dynamic-slice", "slice", "gather"):
+                    total += _elements(u.type) / max(elements, 1)
+                elif position == 0 and u.op == "dynamic-update-slice":
+                    continue
+                elif u.op in _UNARY:
+                    total += read_fraction(u.name, elements)
+                else:
+                    return 1.0
+            return min(total, 1.0)
+
         read = 0
         for p, index in params.items():
-            uses = users[p]
-            if uses and all(pos == 0 and u.op in ("dynamic-slice", "slice", "gather", "dynamic-update-slice")
-                            for u, pos in uses):
-                read += sum(shape_bytes(u.type) for u, _ in uses if u.op != "dynamic-update-slice")
-            elif index < len(operand_bytes):
-                read += operand_bytes[index]
+            if index < len(operand_bytes):
+                read += int(operand_bytes[index] * read_fraction(p, _elements(self.types[computation][p])))
         by_name = {i.name: i for i in body}
 
         def written(name: str) -> int:

@@ -125,7 +125,7 @@ def update_form(backend: str) -> str:
     "cond": XLA:CPU updates the parameters and moments in place inside a `lax.cond`, and with a select
     it copied every one of them once per step (112 copies in the small benchmark model). "select":
     XLA:GPU copies every output of a cond into the donated buffers after it (the 0.8B step at 8,192
-    tokens compiled for an H100: 171 copies, 18 GB a step; its non-matmul memory traffic 360 -> 329
+    tokens compiled for a Hopper GPU: 171 copies, 18 GB a step; its non-matmul memory traffic 343 -> 312
     GB with the select), while a per-element select of new against old fuses into the update's kernels.
     """
     return "cond" if backend == "cpu" else "select"
