@@ -5,13 +5,16 @@ roofline.
     pip install -e ".[gpu-compile]"
     python scripts/gpu_compile.py --preset 0.8B --target h200 --seq 8192
     python scripts/gpu_compile.py --preset 9B --target h100 --mesh fsdp=2,sp=4 --seq 65536 --remat full
+    python scripts/gpu_compile.py --from-hlo out/train_step_hlo.txt.gz   # a GPU's own program, read
 
 XLA:GPU compiles the step (sequence-sharded forward, fused log-prob loss, gradients, clipping, AdamW,
 float32 master weights and moments ZeRO-3 sharded, bf16 compute) for compile-only devices of the
 target, exactly as on the device: the per-device memory is the device's own figure. The optimised
 program is then read kernel by kernel (`qwen35_jax.bench.hlo_census`): bytes moved, dot FLOPs and the
 source line behind each, and the least time each could take at the datasheet's rates. Nothing runs:
-the times are lower bounds, not measurements.
+the times are lower bounds, not measurements. --from-hlo reads a program instead of compiling one
+(the optimised HLO `scripts/device_check.sh` brings back from a GPU), to set the roofline beside the
+profile of the same program.
 """
 
 import argparse
@@ -33,6 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gdn-precision", default=None, help="GDN chunked-form matmul precision (default: the GPU's)")
     p.add_argument("--top", type=int, default=25, help="source lines listed (default 25)")
     p.add_argument("--hlo", default=None, metavar="PATH", help="also write the optimised HLO here")
+    p.add_argument("--from-hlo", default=None, metavar="PATH",
+                   help="read this optimised HLO text (.gz allowed) instead of compiling; needs no plugin")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the tables")
     return p.parse_args(argv)
 
@@ -45,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
 
     result = run(preset=args.preset, target=args.target, seq=args.seq, batch=args.batch, mesh=args.mesh,
                  remat=args.remat, attention=args.attention, gdn_mode=args.gdn_mode,
-                 gdn_precision=args.gdn_precision, top=args.top, hlo_path=args.hlo,
+                 gdn_precision=args.gdn_precision, top=args.top, hlo_path=args.hlo, from_hlo=args.from_hlo,
                  log=None if args.json else print)
     if args.json:
         print(json.dumps(result))
@@ -55,6 +60,6 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except (ValueError, RuntimeError) as err:
+    except (ValueError, RuntimeError, OSError) as err:
         print(f"gpu_compile: {err}", file=sys.stderr)
         sys.exit(2)

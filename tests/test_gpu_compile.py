@@ -95,3 +95,31 @@ def test_the_long_context_tool_sizes_the_step_with_xla_gpu():
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["target"] == "h100" and report["fits"] and report["seq"] == 1024
     assert report["device_memory"] == 81_559 * 2**20  # the target's own memory, no --device-memory given
+
+
+def test_from_hlo_reads_a_program_without_compiling(tmp_path):
+    # what a lease brings back (device_check.sh: train_step_hlo.txt.gz) read here, no plugin needed;
+    # a program XLA:CPU compiled stands in for the GPU's
+    import gzip
+
+    import jax
+    import jax.numpy as jnp
+
+    from qwen35_jax.layers.norms import rms_norm
+
+    loss = lambda x, w: jnp.sum(rms_norm(x, w, 1e-6) ** 2)  # noqa: E731
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(jnp.ones((64, 256)), jnp.ones(256)).compile().as_text()
+    path = tmp_path / "step_hlo.txt.gz"
+    path.write_bytes(gzip.compress(text.encode()))
+    result = subprocess.run([sys.executable, str(SCRIPT), "--from-hlo", str(path), "--preset", "tiny", "--seq", "64",
+                             "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["launches"] == sum(k.runs for k in census(text)) > 0
+    assert "RMS norms" in {r["name"] for r in report["parts"]} and report["roofline_s"] > 0
+    assert "memory_bytes" not in report  # nothing was compiled
+    missing = subprocess.run([sys.executable, str(SCRIPT), "--from-hlo", str(tmp_path / "none.txt")],
+                             capture_output=True, text=True, timeout=300)
+    # one line from us (jax's CUDA plugin, where installed, logs its own lines before it)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
+    assert missing.stderr.strip().splitlines()[-1].startswith("gpu_compile: [Errno 2]"), missing.stderr
