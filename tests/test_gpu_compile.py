@@ -123,3 +123,6 @@ def test_from_hlo_reads_a_program_without_compiling(tmp_path):
     # one line from us (jax's CUDA plugin, where installed, logs its own lines before it)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr, missing.stderr
     assert missing.stderr.strip().splitlines()[-1].startswith("gpu_compile: [Errno 2]"), missing.stderr
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--from-hlo", str(path), "--gdn-remat", "some"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines()[-1].startswith("gpu_compile: GDN remat must be")
