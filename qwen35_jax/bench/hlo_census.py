@@ -10,10 +10,10 @@ lower bound on its time, for a GPU that is not here (`gpu_compile.py`).
 What the byte counts assume: a kernel reads each operand once and writes its output once, except that
 an operand read only through slices (directly or after element-wise unary ops such as a convert)
 counts as the slices, and a buffer updated in place by a dynamic-update-slice counts as the update
-(as in a loop that fills one tile per iteration). Inside a
-`conditional` only the largest branch counts (the step's only one is the optimizer update, whose other
-branch skips it). A Pallas/Triton call's FLOPs are unknown here (0): its time is bounded by its bytes
-alone.
+(as in a loop that fills one tile per iteration). Inside a `conditional` only the largest branch
+counts (on CPU the step's only one is the optimizer update, whose other branch skips it). A loop whose
+trip count XLA does not know counts once. A Pallas/Triton call's FLOPs are unknown here (0): its time
+is bounded by its bytes alone.
 """
 
 from __future__ import annotations

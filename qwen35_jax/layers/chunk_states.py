@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from qwen35_jax.layers.chunk_outputs_pallas import pallas_chunk_outputs
 from qwen35_jax.layers.chunk_states_pallas import CHUNK_STATES_NAME, kernel_fits, pallas_entering_states
 from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, gdn_einsum
 from qwen35_jax.layers.trace_setting import scoped
@@ -202,9 +203,10 @@ def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Ar
 def pallas_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
                         decay: jax.Array, state: jax.Array, prec: GdnPrecision
                         ) -> tuple[jax.Array, jax.Array]:
-    """As `sequential_chunk_states`, with every chunk's entering state from the Pallas recurrence kernel."""
-    states = pallas_entering_states(u, w, k, decay, state, prec)
-    return _outputs(u, w, q, intra, checkpoint_name(states, CHUNK_STATES_NAME), prec)
+    """As `sequential_chunk_states`, with every chunk's entering state from the Pallas recurrence kernel
+    and the outputs from them by the Pallas output kernel."""
+    states = checkpoint_name(pallas_entering_states(u, w, k, decay, state, prec), CHUNK_STATES_NAME)
+    return pallas_chunk_outputs(u, w, q, intra, states, prec)
 
 
 CHUNK_STATES = {"sequential": sequential_chunk_states, "associative": associative_chunk_states,

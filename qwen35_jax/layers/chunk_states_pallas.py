@@ -61,10 +61,15 @@ def gdn_kernel_blocks(block_v: int, num_warps: int) -> contextlib.AbstractContex
     return scoped(_blocks, (block_v, num_warps))
 
 
+def state_columns(dv: int) -> int:
+    """State columns per program (`gdn_kernel_blocks`), at most the head's Dv."""
+    return min(_blocks.get()[0], dv)
+
+
 def kernel_fits(dk: int, dv: int, chunk: int) -> bool:
     """Whether Triton can compile the kernel for these sizes: its tiles ([L, Dk], [Dk, min(Dv, 64)])
     need powers of two of at least 16 (every Qwen3.5 model: 128, 128 and chunks of 64)."""
-    bv = min(dv, _blocks.get()[0])
+    bv = state_columns(dv)
     return all(x >= 16 and x & (x - 1) == 0 for x in (dk, bv, chunk)) and dv % bv == 0
 
 
@@ -77,10 +82,10 @@ def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_r
 
     def step(i, x):  # x [Dk, BV] float32
         c = n - 1 - i if reverse else i
-        rhs = -_dot(q_ref[c], x, (((1,), (0,)), ((), ())), prec, interpret)  # [L, BV]
+        rhs = -tile_dot(q_ref[c], x, (((1,), (0,)), ((), ())), prec, interpret)  # [L, BV]
         if b_ref is not None:
             rhs = rhs + b_ref[c]
-        x = decay_ref[c] * x + _dot(p_ref[c], rhs, (((0,), (0,)), ((), ())), prec, interpret)
+        x = decay_ref[c] * x + tile_dot(p_ref[c], rhs, (((0,), (0,)), ((), ())), prec, interpret)
         if add_ref is not None:
             x = x + add_ref[c]
         out_ref[c if reverse else c + 1] = x
@@ -89,7 +94,7 @@ def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_r
     lax.fori_loop(0, n, step, x)
 
 
-def _dot(a: jax.Array, b: jax.Array, dims: tuple, prec: GdnPrecision, interpret: bool) -> jax.Array:
+def tile_dot(a: jax.Array, b: jax.Array, dims: tuple, prec: GdnPrecision, interpret: bool) -> jax.Array:
     """A float32 product of two tiles at `prec` (bf16: both rounded to bfloat16 first; interpreted, as
     `gdn_matmul.gdn_einsum` does it on CPU)."""
     if bf16_operands(prec) and interpret:
@@ -185,8 +190,8 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
     Dv = u.shape[-1]
     if bf16_operands(prec):  # the kernel would round them anyway: read half the bytes
         w, k = w.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
-    bv = min(_blocks.get()[0], Dv)
-    dot = functools.partial(_dot, prec=prec, interpret=interpret)
+    bv = state_columns(Dv)
+    dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
     rows_by_cols = (((1,), (0,)), ((), ()))  # [L, Dk] x [Dk, bv]
     cols_by_cols = (((1,), (1,)), ((), ()))  # [L, bv] x [Dk, bv]^T
 

@@ -68,9 +68,12 @@ def compile_only_devices(target: str, count: int) -> list[Any]:
     try:
         topology = topologies.get_topology_desc(platform="cuda", target_config=GPU_TARGETS[target].target_config(),
                                                 topology=f"1x1x{count}")
-    except (NotImplementedError, RuntimeError) as err:
+    except NotImplementedError as err:  # no CUDA plugin registered its topologies
         raise RuntimeError("compiling for a GPU without one needs jax's CUDA plugin: "
                            f"pip install -e '.[gpu-compile]' ({type(err).__name__}: {err})") from None
+    except RuntimeError as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        raise RuntimeError(f"jax's CUDA plugin made no compile-only {target} devices: {first}") from None
     return list(topology.devices)
 
 

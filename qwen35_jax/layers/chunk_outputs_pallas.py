@@ -1,0 +1,146 @@
+"""Every chunk's output from the state entering it, forward and backward, as Pallas (Triton) kernels.
+
+With the notation of `chunk_states.py` (S_c the state entering chunk c, [Dk, Dv]):
+
+    v_c = u_c - w_c S_c,    out_c = q_c S_c + intra_c v_c          q_c, w_c [L, Dk], u_c [L, Dv], intra_c [L, L]
+
+and, from the output's cotangent o = d out_c,
+
+    dv = intra_c^T o (= du),   dq = o S_c^T,   dintra = o v_c^T,   dw = -dv S_c^T,   dS_c = q_c^T o - w_c^T dv.
+
+Both directions run one program per (sequence, chunk, head), every chunk at once, the state's columns
+in blocks of `state_columns`; each reads its chunk's tiles and state once and keeps the products in
+registers. As batched XLA matmuls the same arithmetic wrote and read every [B, n, H, L, D] and
+[B, n, H, L, L] intermediate. Precision as `chunk_states_pallas.tile_dot`; off a GPU interpreted.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from qwen35_jax.layers.chunk_states_pallas import GRADIENT_KERNEL_WARPS, state_columns, tile_dot
+from qwen35_jax.layers.gdn_matmul import bf16_operands
+
+_ROWS_BY_COLS = (((1,), (0,)), ((), ()))  # [a, b] x [b, c]
+_COLS_BY_COLS = (((1,), (1,)), ((), ()))  # [a, c] x [b, c]^T
+_ROWS_BY_ROWS = (((0,), (0,)), ((), ()))  # [b, a]^T x [b, c]
+
+
+def _specs(L: int, Dk: int, Dv: int):
+    def chunk(d):
+        return pl.BlockSpec((None, None, None, L, d), lambda b, c, h: (b, c, h, 0, 0))
+
+    state = pl.BlockSpec((None, None, None, Dk, Dv), lambda b, c, h: (b, c, h, 0, 0))
+    return chunk, state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _chunk_outputs(u, w, q, intra, states, prec, interpret):
+    return _forward(u, w, q, intra, states, prec, interpret), states[:, -1]
+
+
+def _read_halved(prec, *tiles):
+    """The matmul-only operands as bfloat16 under bf16 precision (the kernels round them anyway)."""
+    return tuple(x.astype(jnp.bfloat16) for x in tiles) if bf16_operands(prec) else tiles
+
+
+def _forward(u, w, q, intra, states, prec, interpret):  # states [B, n + 1, ...]: block c enters chunk c
+    B, n, H, L, Dk = w.shape
+    w, q, intra = _read_halved(prec, w, q, intra)
+    Dv = u.shape[-1]
+    bv = state_columns(Dv)
+    dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
+
+    def kernel(u_ref, w_ref, q_ref, intra_ref, s_ref, out_ref):
+        w_c, q_c, intra_c = w_ref[...], q_ref[...], intra_ref[...]
+        for j in range(Dv // bv):
+            cols = pl.ds(j * bv, bv)
+            s = s_ref[:, cols]  # [Dk, bv]
+            v = u_ref[:, cols] - dot(w_c, s, _ROWS_BY_COLS)  # [L, bv]
+            out_ref[:, cols] = dot(q_c, s, _ROWS_BY_COLS) + dot(intra_c, v, _ROWS_BY_COLS)
+
+    chunk, state = _specs(L, Dk, Dv)
+    return pl.pallas_call(
+        kernel, grid=(B, n, H),
+        in_specs=[chunk(Dv), chunk(Dk), chunk(Dk), chunk(L), state],
+        out_specs=chunk(Dv),
+        out_shape=jax.ShapeDtypeStruct((B, n, H, L, Dv), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret, name="gdn_chunk_outputs",
+    )(u, w, q, intra, states)
+
+
+def _chunk_outputs_fwd(u, w, q, intra, states, prec, interpret):
+    # the inputs are the residuals: recomputing v in the backward costs one tile product per block
+    return _chunk_outputs(u, w, q, intra, states, prec, interpret), (u, w, q, intra, states)
+
+
+def _chunk_outputs_bwd(prec, interpret, res, cotangents):
+    u, w, q, intra, states = res
+    d_out, d_final = cotangents
+    B, n, H, L, Dk = w.shape
+    Dv = u.shape[-1]
+    w, q, intra = _read_halved(prec, w, q, intra)
+    bv = state_columns(Dv)
+    dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
+
+    def kernel(u_ref, w_ref, q_ref, intra_ref, s_ref, o_ref, du_ref, dw_ref, dq_ref, dintra_ref, ds_ref):
+        w_c, q_c, intra_c = w_ref[...], q_ref[...], intra_ref[...]
+        dw = jnp.zeros((L, Dk), jnp.float32)
+        dq = jnp.zeros((L, Dk), jnp.float32)
+        dintra = jnp.zeros((L, L), jnp.float32)
+        for j in range(Dv // bv):  # dw, dq and dintra sum over the state's column blocks
+            cols = pl.ds(j * bv, bv)
+            s, o = s_ref[:, cols], o_ref[:, cols]  # [Dk, bv], [L, bv]
+            v = u_ref[:, cols] - dot(w_c, s, _ROWS_BY_COLS)
+            dv = dot(intra_c, o, _ROWS_BY_ROWS)  # [L, bv]
+            du_ref[:, cols] = dv
+            ds_ref[:, cols] = dot(q_c, o, _ROWS_BY_ROWS) - dot(w_c, dv, _ROWS_BY_ROWS)
+            dq = dq + dot(o, s, _COLS_BY_COLS)
+            dw = dw - dot(dv, s, _COLS_BY_COLS)
+            dintra = dintra + dot(o, v, _COLS_BY_COLS)
+        dw_ref[...] = dw
+        dq_ref[...] = dq
+        dintra_ref[...] = dintra
+
+    chunk, state = _specs(L, Dk, Dv)
+    f32 = jnp.float32
+    du, dw, dq, dintra, d_states = pl.pallas_call(
+        kernel, grid=(B, n, H),
+        in_specs=[chunk(Dv), chunk(Dk), chunk(Dk), chunk(L), state, chunk(Dv)],
+        out_specs=[chunk(Dv), chunk(Dk), chunk(Dk), chunk(L), state],
+        out_shape=[jax.ShapeDtypeStruct(u.shape, f32), jax.ShapeDtypeStruct(w.shape, f32),
+                   jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct(intra.shape, f32),
+                   jax.ShapeDtypeStruct(states.shape, f32)],
+        compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
+        interpret=interpret, name="gdn_chunk_outputs_backward",
+    )(u, w, q, intra, states, d_out)
+    # the grid writes the states' cotangent at blocks 0..n-1; block n is the final state's, written in
+    # place (a zeros buffer filled around it would be a constant XLA folds when d_final is zero)
+    return du, dw, dq, dintra, d_states.at[:, -1].set(d_final.astype(f32))
+
+
+_chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
+
+
+def pallas_chunk_outputs(
+    u: jax.Array,  # [B, n, H, L, Dv] float32
+    w: jax.Array,  # [B, n, H, L, Dk] float32
+    q: jax.Array,  # [B, n, H, L, Dk] float32
+    intra: jax.Array,  # [B, n, H, L, L] float32
+    states: jax.Array,  # [B, n + 1, H, Dk, Dv] float32: the state entering each chunk, the final one last
+    prec,
+    *,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:  # out [B, n, H, L, Dv], final state [B, H, Dk, Dv] float32
+    """out_c = q_c S_c + intra_c (u_c - w_c S_c) for every chunk c, and the final state passed through.
+    `interpret`: None runs the Triton kernels on a GPU and interprets them elsewhere; False builds them
+    for Triton anywhere."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return _chunk_outputs(u, w, q, intra, states, prec, interpret)
