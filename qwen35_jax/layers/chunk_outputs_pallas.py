@@ -32,6 +32,7 @@ _ROWS_BY_ROWS = (((0,), (0,)), ((), ()))  # [b, a]^T x [b, c]
 
 
 def _specs(L: int, Dk: int, Dv: int):
+    """(chunk(d): chunk c's [L, d] tile, state: block c of [B, n (+ 1), H, Dk, Dv]), on the grid (B, n, H)."""
     def chunk(d):
         return pl.BlockSpec((None, None, None, L, d), lambda b, c, h: (b, c, h, 0, 0))
 
@@ -49,7 +50,8 @@ def _read_halved(prec, *tiles):
     return tuple(x.astype(jnp.bfloat16) for x in tiles) if bf16_operands(prec) else tiles
 
 
-def _forward(u, w, q, intra, states, prec, interpret):  # states [B, n + 1, ...]: block c enters chunk c
+def _forward(u: jax.Array, w: jax.Array, q: jax.Array, intra: jax.Array, states: jax.Array, prec,
+             interpret: bool) -> jax.Array:  # shapes as `pallas_chunk_outputs` -> out [B, n, H, L, Dv]
     B, n, H, L, Dk = w.shape
     w, q, intra = _read_halved(prec, w, q, intra)
     Dv = u.shape[-1]
