@@ -310,7 +310,7 @@ fi
 
 if [[ ",$STAGES," == *,train,* ]]; then
   if [ "${SMOKE:-0}" = "1" ]; then  # tiny shapes, any backend
-    shape=(--preset tiny --seq 256 --core-seq 256 --core-heads 2 --core-dim 16)
+    shape=(--preset tiny --seq 128 --core-seq 128 --core-heads 2 --core-dim 16)
   else
     shape=(--preset 0.8B --seq 8192 --core-seq 8192 --core-heads 16 --core-dim 128)
   fi
