@@ -13,6 +13,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from float64_reference import torch_float64
+from qwen35_jax.layers.chunk_local_pallas import pallas_chunk_local
 from qwen35_jax.layers.chunk_states import UNROLL_CHUNKS, gdn_chunk_scan, resolve_gdn_chunk_scan
 from qwen35_jax.layers.chunk_states_pallas import pallas_entering_states
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
@@ -106,6 +107,21 @@ def test_pallas_chunk_states_lower_for_gpu(precision):
     text = jax.jit(jax.grad(loss, range(5))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @__gpu$xla.gpu.triton" in text
     assert {"gdn_chunk_states", "gdn_chunk_states_reverse", "gdn_chunk_gradients"} <= set(re.findall(r'name = "(\w+)"', text))
+
+
+def test_pallas_chunk_local_kernels_lower_for_gpu():
+    # The chunk-local kernels (Gram matrices, decay, inverse, u, w, intra; and their backward) built
+    # for Triton and lowered for "cuda" at the 0.8B shapes, two value heads per key head.
+    n, b, hk, hv, L, dk, dv = 128, 1, 8, 16, 64, 128, 128
+
+    def loss(q, k, v, cum, beta, read, doc):
+        u, w, intra = pallas_chunk_local(q, k, v, cum, beta, read, doc, None, interpret=False)
+        return jnp.sum(u ** 2) + jnp.sum(w ** 2) + jnp.sum(intra ** 2)
+
+    shapes = [(b, n, hk, L, dk), (b, n, hk, L, dk), (b, n, hv, L, dv)] + [(b, n, hv, L)] * 3
+    args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes] + [jax.ShapeDtypeStruct((b, n, L), jnp.int32)]
+    text = jax.jit(jax.grad(loss, range(6))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert {"gdn_chunk_local", "gdn_chunk_local_backward"} <= set(re.findall(r'name = "(\w+)"', text))
 
 
 def test_chunk_scan_setting_per_backend_and_context():

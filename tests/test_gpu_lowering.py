@@ -26,8 +26,8 @@ from qwen35_jax.parallel.mesh import create_sharded
 from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule
 from qwen35_jax.train.step import batch_shardings, make_train_step
 
-GDN_KERNELS = {"gdn_chunk_states", "gdn_chunk_states_reverse", "gdn_chunk_gradients", "gdn_chunk_outputs",
-               "gdn_chunk_outputs_backward"}
+GDN_KERNELS = {"gdn_chunk_local", "gdn_chunk_local_backward", "gdn_chunk_states", "gdn_chunk_states_reverse",
+               "gdn_chunk_gradients", "gdn_chunk_outputs", "gdn_chunk_outputs_backward"}
 TRITON_ATTENTION = {"mha_forward", "mha_preprocess_backward", "mha_backward"}
 
 

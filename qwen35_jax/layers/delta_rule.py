@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from qwen35_jax.layers.chunk_local_pallas import local_kernel_fits, pallas_chunk_local
 from qwen35_jax.layers.chunk_states import CHUNK_STATES, chunk_scan_for
 from qwen35_jax.layers.gdn_matmul import gdn_einsum, resolve_gdn_precision
 from qwen35_jax.layers.tiling import delta_rule_tile, tiled_delta_rule
@@ -119,8 +120,9 @@ def chunked_gated_delta_rule(
     precision: str | None = None,
     chunk_scan: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] float32, [B, Hv, Dk, Dv] float32
-    """Chunked UT/WY form: intra-chunk work as batched matmuls, then the state carried over chunks by
-    `chunk_scan` (see `chunk_states.py`; None: the `gdn_chunk_scan` context, "auto" by default).
+    """Chunked UT/WY form: intra-chunk work as batched matmuls (with the "pallas" scan one Pallas kernel,
+    `chunk_local_pallas.py`), then the state carried over chunks by `chunk_scan` (see `chunk_states.py`;
+    None: the `gdn_chunk_scan` context, "auto" by default).
 
     Document boundaries are masks on the intra-chunk decay matrix, on which tokens read the carried
     state, and on which tokens (and whether the old state) enter the state carried out of a chunk.
@@ -162,14 +164,49 @@ def chunked_gated_delta_rule(
     doc_before = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), doc[:, :-1, -1]], axis=1)  # [B, n]
 
     heads = (slice(None), slice(None), None, None)  # [B, n, ...] -> [B, n, 1, 1, ...]
-    same_doc = (doc[..., :, None] == doc[..., None, :]) & valid[..., :, None] & valid[..., None, :]
-    causal = jnp.tril(jnp.ones((L, L), bool))
-    pair_mask = (same_doc & causal)[heads]  # [B, n, 1, 1, L, L]
     reads_state = (valid & (doc == doc_before[..., None]))[heads]  # [B, n, 1, 1, L]
     writes_state = (valid & (doc == doc[..., -1:]))[heads]  # [B, n, 1, 1, L]
     keeps_state = (doc[..., -1] == doc_before)[heads]  # [B, n, 1, 1]
 
     cum = jnp.cumsum(g, axis=-1)  # [B, n, Hk, G, L]
+    read = jnp.exp(cum) * reads_state  # [B, n, Hk, G, L]
+
+    def value_heads(x):  # [B, n, Hk, G, ...] -> [B, n, Hv, ...]
+        return x.reshape(B, n, Hv, *x.shape[4:])
+
+    scan = chunk_scan_for(chunk_scan, Dk, Dv, L)
+    key = jnp.where(valid, doc, -1)  # [B, n, L]: two tokens interact iff their keys are equal and >= 0
+    if scan == "pallas" and (jax.default_backend() != "gpu" or local_kernel_fits(Dk, Dv, L)):
+        u, w, intra = (x.reshape(B, n, Hk, G, L, -1) for x in pallas_chunk_local(
+            q[:, :, :, 0], k[:, :, :, 0], value_heads(v), value_heads(cum), value_heads(beta), value_heads(read),
+            key, prec))  # u [B, n, Hk, G, L, Dv], w [.., L, Dk], intra [.., L, L]
+    else:
+        u, w, intra = _chunk_local(q, k, v, cum, beta, read, key, prec)
+    q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
+    k_write = k * (jnp.exp(cum[..., -1:] - cum) * writes_state)[..., None]
+    chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
+
+    carry_state = CHUNK_STATES[scan]
+    out, state = carry_state(*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)), state,
+                             prec)  # out [B, n, Hv, L, Dv]
+    out = jnp.transpose(out, (0, 1, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
+    return out, state
+
+
+def _chunk_local(
+    q: jax.Array,  # [B, n, Hk, 1, L, Dk]
+    k: jax.Array,  # [B, n, Hk, 1, L, Dk]
+    v: jax.Array,  # [B, n, Hk, G, L, Dv]
+    cum: jax.Array,  # [B, n, Hk, G, L]
+    beta: jax.Array,  # [B, n, Hk, G, L]
+    read: jax.Array,  # [B, n, Hk, G, L]
+    key: jax.Array,  # [B, n, L] int32: document index, -1 on padding
+    prec,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # u [.., L, Dv], w [.., L, Dk], intra [.., L, L]
+    """The chunk-local part as batched XLA ops (`chunk_local_pallas.py` says the same as one kernel)."""
+    Dv, L = v.shape[-1], key.shape[-1]
+    causal = jnp.tril(jnp.ones((L, L), bool))
+    pair_mask = ((key[..., :, None] == key[..., None, :]) & (key[..., :, None] >= 0) & causal)[:, :, None, None]
     diff = cum[..., :, None] - cum[..., None, :]  # [B, n, Hk, G, L, L]
     decay = jnp.where(pair_mask, jnp.exp(jnp.where(pair_mask, diff, 0.0)), 0.0)
     kk = gdn_einsum("...id,...jd->...ij", k, k, prec)  # [B, n, Hk, 1, L, L]
@@ -177,22 +214,8 @@ def chunked_gated_delta_rule(
 
     # Unit lower-triangular system (I + A) with A = strict_tril(k_beta k^T * decay), k_beta = beta * k.
     inverse = unit_lower_inverse(beta[..., None] * kk * decay)  # [B, n, Hk, G, L, L]
-    read = jnp.exp(cum) * reads_state  # [B, n, Hk, G, L]
-    rhs = jnp.concatenate([v * beta[..., None], jnp.broadcast_to(k, (*v.shape[:-1], Dk)) *
+    rhs = jnp.concatenate([v * beta[..., None], jnp.broadcast_to(k, (*v.shape[:-1], k.shape[-1])) *
                            (beta * read)[..., None]], axis=-1)
     sol = gdn_einsum("...ij,...jd->...id", inverse, rhs, prec)
-    u, w = sol[..., :Dv], sol[..., Dv:]  # u [.., L, Dv]: new values; w [.., L, Dk]: decayed keys reading S
-
-    intra = qk * decay  # [B, n, Hk, G, L, L]
-    q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
-    k_write = k * (jnp.exp(cum[..., -1:] - cum) * writes_state)[..., None]
-    chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
-
-    def value_heads(x):  # [B, n, Hk, G, ...] -> [B, n, Hv, ...]
-        return x.reshape(B, n, Hv, *x.shape[4:])
-
-    carry_state = CHUNK_STATES[chunk_scan_for(chunk_scan, Dk, Dv, L)]
-    out, state = carry_state(*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)), state,
-                             prec)  # out [B, n, Hv, L, Dv]
-    out = jnp.transpose(out, (0, 1, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
-    return out, state
+    # u: new values; w: decayed keys reading the entering state; intra: in-chunk attention
+    return sol[..., :Dv], sol[..., Dv:], qk * decay

@@ -1,0 +1,215 @@
+"""The chunk-local part of the chunked delta rule, forward and backward, as Pallas (Triton) kernels.
+
+Per chunk and value head (the notation of `delta_rule.chunked_gated_delta_rule`; q, k of its key head,
+L tokens, c the cumulative log-decay inside the chunk, r the factor with which a token reads the
+entering state):
+
+    D_ij  = exp(c_i - c_j) where i >= j are in one document, else 0       [L, L]
+    A     = strict_lower(beta_i (k k^T)_ij D_ij),   T = (I + A)^-1         [L, L]
+    u     = T (beta v),   w = T (beta r k),   intra = (q k^T) o D          [L, Dv], [L, Dk], [L, L]
+
+One program per (sequence, chunk, value head) forms both Gram matrices, the decay and the inverse in
+registers and writes u, w, intra and T (the backward's residual). As XLA ops the same work wrote and
+read a dozen [B, n, H, L, L] and [B, n, H, L, D] float32 arrays between small batched matmuls.
+
+The inverse is block doubling on whole tiles (Triton cannot slice a register tile): with T_m the
+inverse of (I + A)'s diagonal blocks of size m, the inverse over blocks of size 2m is
+
+    T_2m = T_m - T_m (A o C_m) T_m,     C_m: the lower-left m x m corner of every diagonal 2m block
+
+([[P, 0], [C, Q]]^-1 = [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]]), from T_2 = I - A o C_1: 2 log2(L) - 2
+products of [L, L] tiles, in float32 (IEEE when interpreted, three TF32 passes on a GPU; the other
+products at the rule's `prec`, as `chunk_states_pallas.tile_dot`).
+
+Backward, from du, dw, dintra (rhs_u = beta v, rhs_w = beta r k):
+
+    dT = du rhs_u^T + dw rhs_w^T,   d rhs = T^T d(u, w),   dA = -strict_lower(T^T dT T^T)
+    dkk = dA o beta D,   dqk = dintra o D,   dE = (dA o beta kk + dintra o qk) o D
+    dq = dqk k,   dk = dqk^T q + (dkk + dkk^T) k + beta r d rhs_w,   dv = beta d rhs_u
+    dc = rowsum(dE) - colsum(dE),   dbeta, dr from the row sums of d rhs o (v, k) and dA o kk D
+
+dq and dk come per value head; with several value heads per key head (G > 1) XLA sums their G copies.
+Off a GPU the kernels run interpreted (tests).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from qwen35_jax.layers.chunk_states_pallas import GRADIENT_KERNEL_WARPS, tile_dot
+from qwen35_jax.layers.gdn_matmul import GdnPrecision
+
+_ROWS_BY_COLS = (((1,), (0,)), ((), ()))  # [a, b] x [b, c]
+_COLS_BY_COLS = (((1,), (1,)), ((), ()))  # [a, c] x [b, c]^T
+_ROWS_BY_ROWS = (((0,), (0,)), ((), ()))  # [b, a]^T x [b, c]
+
+
+def local_kernel_fits(dk: int, dv: int, chunk: int) -> bool:
+    """Whether Triton can compile the kernels for these sizes: whole [L, Dk], [L, Dv] and [L, L] tiles
+    need powers of two of at least 16 (every Qwen3.5 model: 128, 128 and chunks of 64)."""
+    return all(x >= 16 and x & (x - 1) == 0 for x in (dk, dv, chunk))
+
+
+def _inverse_precision(interpret: bool):
+    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _grid_specs(L: int, G: int):
+    """Block specs on the grid (B, n, Hv): value head h reads key head h // G."""
+    def value_tile(d):  # [L, d] of [B, n, Hv, L, d]
+        return pl.BlockSpec((None, None, None, L, d), lambda b, c, h: (b, c, h, 0, 0))
+
+    def key_tile(d):  # [L, d] of [B, n, Hk, L, d]
+        return pl.BlockSpec((None, None, None, L, d), lambda b, c, h: (b, c, h // G, 0, 0))
+
+    per_token = pl.BlockSpec((None, None, None, L), lambda b, c, h: (b, c, h, 0))  # [L] of [B, n, Hv, L]
+    document = pl.BlockSpec((None, None, L), lambda b, c, h: (b, c, 0))  # [L] of [B, n, L]
+    return value_tile, key_tile, per_token, document
+
+
+def _decay(cum: jax.Array, doc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """cum [L] float32, doc [L] int32 (-1: padding) -> D [L, L], row and column indices [L, L]."""
+    L = cum.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
+    col = lax.broadcasted_iota(jnp.int32, (L, L), 1)
+    pair = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0) & (row >= col)
+    diff = jnp.where(pair, cum[:, None] - cum[None, :], 0.0)
+    return jnp.where(pair, jnp.exp(diff), 0.0), row, col
+
+
+def _unit_lower_inverse(a: jax.Array, row: jax.Array, col: jax.Array, dot) -> jax.Array:
+    """(I + a)^-1 for a [L, L] strictly lower, by block doubling on whole tiles (module docstring)."""
+    L = a.shape[0]
+    eye = (row == col).astype(jnp.float32)
+    t = eye - jnp.where((row == col + 1) & (lax.rem(row, 2) == 1), a, 0.0)  # T_2
+    m = 2
+    while m < L:
+        shift = m.bit_length() - 1  # m = 2 ** shift
+        same_block = lax.shift_right_logical(row, shift + 1) == lax.shift_right_logical(col, shift + 1)
+        corner = same_block & ((row & m) != 0) & ((col & m) == 0)
+        t = t - dot(dot(t, jnp.where(corner, a, 0.0), _ROWS_BY_COLS), t, _ROWS_BY_COLS)
+        m *= 2
+    return t
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _chunk_local(q, k, v, cum, beta, read, doc, prec, interpret):
+    return _forward(q, k, v, cum, beta, read, doc, prec, interpret)[:3]
+
+
+def _forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax.Array, read: jax.Array,
+             doc: jax.Array, prec: GdnPrecision, interpret: bool) -> tuple[jax.Array, ...]:
+    """Shapes as `pallas_chunk_local` -> u [B, n, Hv, L, Dv], w [B, n, Hv, L, Dk], intra, T [B, n, Hv, L, L]."""
+    B, n, Hk, L, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[-1]
+    dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
+    exact = functools.partial(tile_dot, prec=_inverse_precision(interpret), interpret=interpret)
+
+    def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, doc_ref, u_ref, w_ref, intra_ref, t_ref):
+        k_c, beta_c = k_ref[...], beta_ref[...]
+        decay, row, col = _decay(cum_ref[...], doc_ref[...])
+        a = jnp.where(row > col, beta_c[:, None] * dot(k_c, k_c, _COLS_BY_COLS) * decay, 0.0)
+        t = _unit_lower_inverse(a, row, col, exact)
+        t_ref[...] = t
+        u_ref[...] = dot(t, v_ref[...] * beta_c[:, None], _ROWS_BY_COLS)
+        w_ref[...] = dot(t, k_c * (beta_c * read_ref[...])[:, None], _ROWS_BY_COLS)
+        intra_ref[...] = dot(q_ref[...], k_c, _COLS_BY_COLS) * decay
+
+    value_tile, key_tile, per_token, document = _grid_specs(L, Hv // Hk)
+    f32 = jnp.float32
+    return tuple(pl.pallas_call(
+        kernel, grid=(B, n, Hv),
+        in_specs=[key_tile(Dk), key_tile(Dk), value_tile(Dv), per_token, per_token, per_token, document],
+        out_specs=[value_tile(Dv), value_tile(Dk), value_tile(L), value_tile(L)],
+        out_shape=[jax.ShapeDtypeStruct((B, n, Hv, L, Dv), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32),
+                   jax.ShapeDtypeStruct((B, n, Hv, L, L), f32), jax.ShapeDtypeStruct((B, n, Hv, L, L), f32)],
+        compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
+        interpret=interpret, name="gdn_chunk_local",
+    )(q, k, v, cum, beta, read, doc))
+
+
+def _chunk_local_fwd(q, k, v, cum, beta, read, doc, prec, interpret):
+    u, w, intra, t = _forward(q, k, v, cum, beta, read, doc, prec, interpret)
+    return (u, w, intra), (q, k, v, cum, beta, read, doc, t)
+
+
+def _chunk_local_bwd(prec, interpret, res, cotangents):
+    q, k, v, cum, beta, read, doc, t = res
+    du, dw, dintra = cotangents
+    B, n, Hk, L, Dk = q.shape
+    Hv, Dv = v.shape[2], v.shape[-1]
+    G = Hv // Hk
+    dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
+    exact = functools.partial(tile_dot, prec=_inverse_precision(interpret), interpret=interpret)
+
+    def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, doc_ref, t_ref, du_ref, dw_ref, dintra_ref,
+               dq_ref, dk_ref, dv_ref, dcum_ref, dbeta_ref, dread_ref):
+        q_c, k_c, v_c, t = q_ref[...], k_ref[...], v_ref[...], t_ref[...]
+        beta_c, read_c = beta_ref[...], read_ref[...]
+        du_c, dw_c, dintra_c = du_ref[...], dw_ref[...], dintra_ref[...]
+        decay, row, col = _decay(cum_ref[...], doc_ref[...])
+        kk = dot(k_c, k_c, _COLS_BY_COLS)  # [L, L]
+        qk = dot(q_c, k_c, _COLS_BY_COLS)
+        k_factor = beta_c * read_c  # [L]
+        d_t = (dot(du_c, v_c * beta_c[:, None], _COLS_BY_COLS)
+               + dot(dw_c, k_c * k_factor[:, None], _COLS_BY_COLS))  # [L, L]
+        d_rhs_u = dot(t, du_c, _ROWS_BY_ROWS)  # [L, Dv]
+        d_rhs_w = dot(t, dw_c, _ROWS_BY_ROWS)  # [L, Dk]
+        d_a = jnp.where(row > col, -exact(exact(t, d_t, _ROWS_BY_ROWS), t, _COLS_BY_COLS), 0.0)
+        d_kk = d_a * decay * beta_c[:, None]
+        d_qk = dintra_c * decay
+        d_exp = (d_a * beta_c[:, None] * kk + dintra_c * qk) * decay  # d exp(c_i - c_j) o D
+        dcum_ref[...] = jnp.sum(d_exp, axis=1) - jnp.sum(d_exp, axis=0)
+        d_k_factor = jnp.sum(d_rhs_w * k_c, axis=1)  # [L]
+        dbeta_ref[...] = (jnp.sum(d_rhs_u * v_c, axis=1) + d_k_factor * read_c
+                          + jnp.sum(d_a * kk * decay, axis=1))
+        dread_ref[...] = d_k_factor * beta_c
+        dv_ref[...] = d_rhs_u * beta_c[:, None]
+        dq_ref[...] = dot(d_qk, k_c, _ROWS_BY_COLS)
+        dk_ref[...] = (dot(d_qk, q_c, _ROWS_BY_ROWS) + dot(d_kk, k_c, _ROWS_BY_COLS)
+                       + dot(d_kk, k_c, _ROWS_BY_ROWS) + d_rhs_w * k_factor[:, None])
+
+    value_tile, key_tile, per_token, document = _grid_specs(L, G)
+    f32 = jnp.float32
+    dq, dk, dv, dcum, dbeta, dread = pl.pallas_call(
+        kernel, grid=(B, n, Hv),
+        in_specs=[key_tile(Dk), key_tile(Dk), value_tile(Dv), per_token, per_token, per_token, document,
+                  value_tile(L), value_tile(Dv), value_tile(Dk), value_tile(L)],
+        out_specs=[value_tile(Dk), value_tile(Dk), value_tile(Dv), per_token, per_token, per_token],
+        out_shape=[jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32),
+                   jax.ShapeDtypeStruct((B, n, Hv, L, Dv), f32)]
+                  + [jax.ShapeDtypeStruct((B, n, Hv, L), f32)] * 3,
+        compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
+        interpret=interpret, name="gdn_chunk_local_backward",
+    )(q, k, v, cum, beta, read, doc, t, du, dw, dintra)
+    if G > 1:  # each value head's share of its key head's gradient
+        dq, dk = (x.reshape(B, n, Hk, G, L, Dk).sum(axis=3) for x in (dq, dk))
+    return dq, dk, dv, dcum, dbeta, dread, None
+
+
+_chunk_local.defvjp(_chunk_local_fwd, _chunk_local_bwd)
+
+
+def pallas_chunk_local(
+    q: jax.Array,  # [B, n, Hk, L, Dk] float32, scaled
+    k: jax.Array,  # [B, n, Hk, L, Dk] float32
+    v: jax.Array,  # [B, n, Hv, L, Dv] float32
+    cum: jax.Array,  # [B, n, Hv, L] float32: cumulative log-decay inside each chunk
+    beta: jax.Array,  # [B, n, Hv, L] float32
+    read: jax.Array,  # [B, n, Hv, L] float32: the factor with which each token reads the entering state
+    doc: jax.Array,  # [B, n, L] int32: document index, -1 on padding
+    prec: GdnPrecision,
+    *,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:  # u [B, n, Hv, L, Dv], w [B, n, Hv, L, Dk], intra [B, n, Hv, L, L]
+    """u, w and intra of every chunk and value head (module docstring). `interpret`: None runs the
+    Triton kernels on a GPU and interprets them elsewhere; False builds them for Triton anywhere."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return _chunk_local(q, k, v, cum, beta, read, doc, prec, interpret)
