@@ -18,7 +18,8 @@ per second: above 1 means we are faster.
 --cores adds the sequence mixers alone, forward+backward at S = --core-seq: the GDN core
 (`chunked_gated_delta_rule` vs transformers' `torch_chunk_gated_delta_rule`, H = 8, d = 128) and the
 causal document-masked attention core (`attention_core` vs `scaled_dot_product_attention` with the
-same boolean mask, 4 query / 2 kv heads of 64, 2 documents). --peak-tflops adds the model FLOPs
+same boolean mask, 4 query / 2 kv heads of 64, 2 documents); `--cores gdn_local` the GDN rule's
+chunk-local part alone (ours only: the Pallas kernels against the XLA ops). --peak-tflops adds the model FLOPs
 utilisation of our step, with the model FLOPs the trainer logs (`qwen35_jax.train.flops.train_flops`:
 every matmul of the forward pass, attention scores over the full S^2, times 3).
 Each stack runs with what its users get by default: ours restarts with
@@ -74,8 +75,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gdn-chunk-scan", default=None,
                    help="how our GDN core carries its state over chunks: auto, sequential or associative "
                         "(default: auto, sequential on CPU, associative elsewhere)")
-    p.add_argument("--cores", nargs="*", choices=["gdn", "attention"], default=None,
-                   help="also time the sequence mixers alone (no names: both)")
+    p.add_argument("--cores", nargs="*", choices=["gdn", "attention", "gdn_local"], default=None,
+                   help="also time the sequence mixers alone (no names: gdn and attention); gdn_local: the GDN "
+                        "rule's chunk-local part, Pallas kernels against XLA ops, at each --core-precisions")
     p.add_argument("--cores-only", action="store_true", help="time --cores alone, no train step")
     p.add_argument("--core-seq", type=int, default=4096, help="sequence length of --cores (default 4096)")
     p.add_argument("--core-heads", type=int, default=8, help="GDN heads of --cores (default 8)")
@@ -176,7 +178,7 @@ def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
 def time_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
     """Every planned train step, then the cores, then the breakdown, in this process."""
     from qwen35_jax.bench.breakdown import time_pieces
-    from qwen35_jax.bench.cores import time_attention_core, time_gdn_core
+    from qwen35_jax.bench.cores import time_attention_core, time_gdn_chunk_local, time_gdn_core
     from qwen35_jax.bench.report import table
     from qwen35_jax.bench.train_step import time_train_step
 
@@ -194,6 +196,9 @@ def time_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
                                   precisions=args.core_precisions, kernel_blocks=args.core_kernel_blocks, **both))
     if "attention" in (args.cores or []):
         rows.append(time_attention_core(args.core_seq, **both))
+    if "gdn_local" in (args.cores or []) and args.run_ours:
+        rows.append(time_gdn_chunk_local(args.core_seq, args.core_heads, args.core_dim, steps=args.steps,
+                                         precisions=args.core_precisions))
     if args.breakdown and args.run_ours and planned:
         _, config, batch, seq = planned[0]
         breakdown = time_pieces(config, batch, seq, args.steps)

@@ -25,7 +25,7 @@
 #      failing that, also on XLA's attention and log-prob kernels ($OUT/train_step_xla.json), which
 #      tells which Pallas kernel was the cause. Else the GDN core alone at S = 8192, 16 heads of 128,
 #      forward+backward with the Pallas chunk scan at Precision.HIGHEST, DEFAULT and bf16 operands, three
-#      kernel blocks each
+#      kernel blocks each, and the chunk-local part's kernels against XLA at each precision
 #      ($OUT/gdn_core.json; GDN_CORE=0 skips it), then four rows of 8192 ($OUT/train_step_b4.json;
 #      TRAIN_B4=0 skips it). TRAIN_VARIANTS="--attention xla;--scan-layers true" times more one-row
 #      steps first, one per ';'-separated set of bench_train flags ($OUT/train_variant_<i>.json),
@@ -363,8 +363,9 @@ if [[ ",$STAGES," == *,train,* ]]; then
       )
     done
     # HIGHEST (IEEE float32) against DEFAULT (TF32) and bf16 operands, each at three (state columns per
-    # program, warps) of the chunk-state kernel; errors against the first (HIGHEST, the default blocks)
-    [ "${GDN_CORE:-1}" = "1" ] && train --batch 1 --cores gdn --cores-only --core-precisions highest default bf16 \
+    # program, warps) of the chunk-state kernel; errors against the first (HIGHEST, the default blocks);
+    # then the chunk-local part alone, its Pallas kernels against the XLA ops, at each precision
+    [ "${GDN_CORE:-1}" = "1" ] && train --batch 1 --cores gdn gdn_local --cores-only --core-precisions highest default bf16 \
       --core-scans pallas --core-kernel-blocks 64:4 32:4 16:4 --json "$OUT/gdn_core.json"
     # four rows of 8192: what a larger step buys (fixed costs, occupancy)
     [ "${SMOKE:-0}" != "1" ] && [ "${TRAIN_B4:-1}" = "1" ] && train --batch 4 --json "$OUT/train_step_b4.json"

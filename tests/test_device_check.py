@@ -85,9 +85,15 @@ def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
         for flag, key in (("--gdn-precision", "gdn_precision"), ("--attention", "attention")):
             if flag in flags:  # the variant's setting reached the timed step
                 assert ours[key] == flags[flags.index(flag) + 1], (variant, ours)
-    core = json.loads((tmp_path / "gdn_core.json").read_text())["runs"][0]
+    core, local = json.loads((tmp_path / "gdn_core.json").read_text())["runs"]
     timed = [k for k in core if k.startswith("ours ")]
     assert len(timed) == 9 and all(core[k]["median_s"] > 0 for k in timed)  # 3 precisions x 3 blocks
+    # the chunk-local kernels against the XLA ops at each precision (interpreted here: float32 rounding
+    # at highest, bf16 rounding at bf16)
+    assert local["config"] == "gdn_chunk_local"
+    for precision, bound in (("highest", 1e-5), ("default", 1e-5), ("bf16", 3e-2)):
+        assert local[f"ours xla {precision}"]["median_s"] > 0
+        assert local[f"ours pallas {precision}"]["max_rel_grad_err_vs_xla"] < bound, (precision, local)
     assert (tmp_path / "train_step_hlo.txt.gz").stat().st_size > 0
     took = re.findall(r"^== took \d+ s, exit (\d+): bench_train", log, re.M)
     # every call's wall time, for budgeting a lease: the traced step, the variants (the GPU-only ones

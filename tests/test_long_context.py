@@ -38,14 +38,14 @@ def assert_trees_close(got, want):
         assert_close(g, flat_want[path], what=jax.tree_util.keystr(path))
 
 
-def tiny(moe: bool = False, **changes) -> Qwen35Config:
-    """8 layers (two blocks of 3 GDN + 1 attention), 8 heads each so that sp = 4 and 8 work."""
+def tiny(moe: bool = False, blocks: int = 2, **changes) -> Qwen35Config:
+    """`blocks` blocks of 3 GDN + 1 attention layers, 8 heads each so that sp = 4 and 8 work."""
     extra = ({"num_experts": 4, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16} if moe
              else {"intermediate_size": 64})
     return Qwen35Config.preset(
         "tiny-moe" if moe else "tiny", vocab_size=128, hidden_size=32, num_attention_heads=8,
         num_key_value_heads=2, head_dim=8, partial_rotary_factor=0.5, mrope_section=(1, 1, 0),
-        num_hidden_layers=8, layer_types=(("linear_attention",) * 3 + ("full_attention",)) * 2,
+        num_hidden_layers=4 * blocks, layer_types=(("linear_attention",) * 3 + ("full_attention",)) * blocks,
         linear_num_key_heads=2, linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
         gdn_chunk_size=4, **extra, **changes)
 
@@ -194,12 +194,13 @@ def test_tiled_gdn_core_equals_untiled(scan):
     (False, "fsdp=2,sp=4", "state_passing"),  # 16-token shards: the two sweeps of 4-token tiles
     pytest.param(True, "fsdp=1,sp=4", "all_to_all", marks=pytest.mark.slow)])
 def test_sequence_tiled_model_equals_untiled(moe, layout, gdn_mode):
-    """Tiles of 4 tokens (MLP / MoE: per device shard; delta rule: whole chunks) against no tiling."""
+    """Tiles of 4 tokens (MLP / MoE: per device shard; delta rule: whole chunks) against no tiling; one
+    block of layers (tiling is per layer, the blocks' scan is tested elsewhere)."""
     from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
     tokens, seg = batch(2, 61)
     mesh = None if layout is None else make_mesh(layout, devices=jax.devices()[:8 if "2" in layout else 4])
-    config = tiny(moe, remat="layer")
+    config = tiny(moe, blocks=1, remat="layer")
     with sequence_tile(None), gdn_sp_mode(gdn_mode):
         want = value_and_grads(config, tokens, seg, mesh)
     with sequence_tile(4), gdn_sp_mode(gdn_mode):

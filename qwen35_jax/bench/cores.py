@@ -1,7 +1,7 @@
 """The sequence mixers alone, forward+backward of sum(out * cotangent), ours against transformers':
 the GDN core (`chunked_gated_delta_rule` vs `torch_chunk_gated_delta_rule`) and the causal
 document-masked attention core (`attention_core` vs `scaled_dot_product_attention` with the same
-boolean mask)."""
+boolean mask); and the GDN rule's chunk-local part, our Pallas kernels against our XLA form."""
 
 from __future__ import annotations
 
@@ -89,6 +89,61 @@ def time_gdn_core(
                 float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()) for a, b in zip(f(*jargs), ref))
     return row
 
+
+def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: int = 64,
+                         precisions: list[str] | None = None) -> dict:
+    """One row: the chunked rule's chunk-local part alone (u, w and intra of every chunk from q, k, v,
+    the decays and beta; `chunk_local_pallas.py`), forward+backward of sum(outputs * cotangents), as
+    the Pallas kernels against the batched XLA ops, at B = 1, S = `seq`, `heads` key = value heads of
+    `dim`, one document; once per precision (None: the backend's), each kernel's largest gradient
+    error relative to the XLA form's at the same precision."""
+    from qwen35_jax.layers.chunk_local_pallas import pallas_chunk_local
+    from qwen35_jax.layers.delta_rule import xla_chunk_local
+    from qwen35_jax.layers.gdn_matmul import resolve_gdn_precision
+
+    if seq % chunk:
+        raise ValueError(f"chunk-local core: --core-seq {seq} is not a multiple of the chunk size {chunk}")
+    rng = np.random.default_rng(0)
+    B, n, H, L, D = 1, seq // chunk, heads, chunk, dim
+    q, k = (rng.standard_normal((B, n, H, L, D)).astype(np.float32) for _ in range(2))
+    q, k = (x / np.linalg.norm(x, axis=-1, keepdims=True) for x in (q, k))
+    q = q * D**-0.5
+    v = rng.standard_normal((B, n, H, L, D)).astype(np.float32)
+    cum = np.cumsum(-np.abs(rng.standard_normal((B, n, H, L))) * 0.1, axis=-1).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.standard_normal((B, n, H, L))))).astype(np.float32)
+    read = np.exp(cum)
+    cot_u, cot_w = (rng.standard_normal((B, n, H, L, D)).astype(np.float32) for _ in range(2))
+    cot_intra = rng.standard_normal((B, n, H, L, L)).astype(np.float32)
+    doc = np.zeros((B, n, L), np.int32)
+    jargs = [jnp.asarray(x) for x in (q, k, v, cum, beta, read)]
+
+    def grouped(x):  # [B, n, H, L, ...] -> the XLA form's [B, n, Hk, G = 1, L, ...]
+        return x[:, :, :, None]
+
+    grads, ref_of = {}, {}
+    for precision in precisions or [None]:
+        prec = resolve_gdn_precision(precision)
+
+        def kernel_loss(q, k, v, cum, beta, read, prec=prec):
+            u, w, intra = pallas_chunk_local(q, k, v, cum, beta, read, doc, prec)
+            return jnp.sum(u * cot_u) + jnp.sum(w * cot_w) + jnp.sum(intra * cot_intra)
+
+        def xla_loss(q, k, v, cum, beta, read, prec=prec):
+            u, w, intra = xla_chunk_local(*(grouped(x) for x in (q, k, v, cum, beta, read)), doc, prec)
+            return jnp.sum(u[:, :, :, 0] * cot_u) + jnp.sum(w[:, :, :, 0] * cot_w) + jnp.sum(intra[:, :, :, 0] * cot_intra)
+
+        suffix = "" if precision is None else f" {precision}"
+        for form, loss in (("xla", xla_loss), ("pallas", kernel_loss)):
+            grads[f"ours {form}{suffix}"] = jit_tuned(jax.grad(loss, argnums=tuple(range(6))))
+        ref_of[f"ours pallas{suffix}"] = f"ours xla{suffix}"
+    fns = {name: (lambda f=f: jax.block_until_ready(f(*jargs))) for name, f in grads.items()}
+    row = {"config": "gdn_chunk_local", "settings": dict(B=B, S=seq, H=H, d=D, L=L), "batch": B, "seq": seq,
+           **time_side_by_side(fns, steps)}
+    for name, ref_name in ref_of.items():
+        ref = [np.asarray(x, np.float64) for x in grads[ref_name](*jargs)]
+        row[name]["max_rel_grad_err_vs_xla"] = max(
+            float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()) for a, b in zip(grads[name](*jargs), ref))
+    return row
 
 def time_attention_core(seq: int, *, steps: int, ours: bool = True, theirs: bool = True) -> dict:
     """One row: the attention core at B = 1, S = `seq`, 4 query / 2 kv heads of 64, two documents (cut

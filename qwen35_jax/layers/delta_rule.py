@@ -181,7 +181,7 @@ def chunked_gated_delta_rule(
             q[:, :, :, 0], k[:, :, :, 0], value_heads(v), value_heads(cum), value_heads(beta), value_heads(read),
             key, prec))  # u [B, n, Hk, G, L, Dv], w [.., L, Dk], intra [.., L, L]
     else:
-        u, w, intra = _chunk_local(q, k, v, cum, beta, read, key, prec)
+        u, w, intra = xla_chunk_local(q, k, v, cum, beta, read, key, prec)
     q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
     k_write = k * (jnp.exp(cum[..., -1:] - cum) * writes_state)[..., None]
     chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
@@ -193,7 +193,7 @@ def chunked_gated_delta_rule(
     return out, state
 
 
-def _chunk_local(
+def xla_chunk_local(
     q: jax.Array,  # [B, n, Hk, 1, L, Dk]
     k: jax.Array,  # [B, n, Hk, 1, L, Dk]
     v: jax.Array,  # [B, n, Hk, G, L, Dv]
