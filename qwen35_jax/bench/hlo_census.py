@@ -19,6 +19,7 @@ is bounded by its bytes alone.
 from __future__ import annotations
 
 import collections
+import math
 import re
 from dataclasses import dataclass
 
@@ -61,22 +62,19 @@ class Instruction:
         return tuple(a.strip().lstrip("%") for a in self.arguments.split(",") if a.strip().startswith("%"))
 
 
+def _product(dims: str) -> int:
+    """Elements of an array with these comma-separated dimensions ("" for a scalar)."""
+    return math.prod(int(d) for d in dims.split(",") if d)
+
+
 def shape_bytes(type_text: str) -> int:
     """Bytes of every array in an HLO type (a tuple's elements added)."""
-    total = 0
-    for dtype, dims in _SHAPE.findall(type_text):
-        n = 1
-        for d in filter(None, dims.split(",")):
-            n *= int(d)
-        total += n * DTYPE_BYTES[dtype]
-    return total
+    return sum(_product(dims) * DTYPE_BYTES[dtype] for dtype, dims in _SHAPE.findall(type_text))
 
 
 def _elements(type_text: str) -> int:
-    n = 1
-    for d in _dims(type_text):
-        n *= d
-    return n
+    m = _SHAPE.search(type_text)
+    return _product(m.group(2)) if m else 1
 
 
 def _dims(type_text: str) -> list[int]:
@@ -150,14 +148,10 @@ class _Program:
                 lhs_type = self.types[computation].get(i.operands[0], "")
                 lhs = _dims(lhs_type)
                 contracting = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", i.attributes)
-                k = 1
-                for d in filter(None, contracting.group(1).split(",") if contracting else []):
-                    k *= lhs[int(d)]
-                out = 1
-                for d in _dims(i.type):
-                    out *= d
-                flops += 2 * out * k
-                dtype = _SHAPE.search(lhs_type).group(1) if _SHAPE.search(lhs_type) else "f32"
+                k = math.prod(lhs[int(d)] for d in (contracting.group(1).split(",") if contracting else []) if d)
+                flops += 2 * _elements(i.type) * k
+                shape = _SHAPE.search(lhs_type)
+                dtype = shape.group(1) if shape else "f32"
                 highest = "operand_precision={highest" in i.attributes
                 kinds.add(f"{dtype}-highest" if highest and dtype == "f32" else dtype)
             called = re.search(r"calls=%([\w.\-]+)", i.attributes)
