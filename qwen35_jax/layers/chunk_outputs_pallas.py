@@ -12,6 +12,7 @@ Both directions run one program per (sequence, chunk, head), every chunk at once
 in blocks of `state_columns`; each reads its chunk's tiles and state once and keeps the products in
 registers. As batched XLA matmuls the same arithmetic wrote and read every [B, n, H, L, D] and
 [B, n, H, L, L] intermediate. Precision as `chunk_states_pallas.tile_dot`; off a GPU interpreted.
+The VJP that joins them with the state kernels is `chunk_states.pallas_chunk_states`.
 """
 
 from __future__ import annotations
@@ -40,18 +41,21 @@ def _specs(L: int, Dk: int, Dv: int):
     return chunk, state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _chunk_outputs(u, w, q, intra, states, prec, interpret):
-    return _forward(u, w, q, intra, states, prec, interpret), states[:, -1]
-
-
 def _read_halved(prec, *tiles):
     """The matmul-only operands as bfloat16 under bf16 precision (the kernels round them anyway)."""
     return tuple(x.astype(jnp.bfloat16) for x in tiles) if bf16_operands(prec) else tiles
 
 
-def _forward(u: jax.Array, w: jax.Array, q: jax.Array, intra: jax.Array, states: jax.Array, prec,
-             interpret: bool) -> jax.Array:  # shapes as `pallas_chunk_outputs` -> out [B, n, H, L, Dv]
+def chunk_outputs(
+    u: jax.Array,  # [B, n, H, L, Dv] float32
+    w: jax.Array,  # [B, n, H, L, Dk] float32
+    q: jax.Array,  # [B, n, H, L, Dk] float32
+    intra: jax.Array,  # [B, n, H, L, L] float32
+    states: jax.Array,  # [B, n + 1, H, Dk, Dv] float32: the state entering each chunk, the final one last
+    prec,
+    interpret: bool,
+) -> jax.Array:  # out [B, n, H, L, Dv] float32
+    """out_c = q_c S_c + intra_c (u_c - w_c S_c) for every chunk c (no VJP: `chunk_outputs_backward`)."""
     B, n, H, L, Dk = w.shape
     w, q, intra = _read_halved(prec, w, q, intra)
     Dv = u.shape[-1]
@@ -77,14 +81,14 @@ def _forward(u: jax.Array, w: jax.Array, q: jax.Array, intra: jax.Array, states:
     )(u, w, q, intra, states)
 
 
-def _chunk_outputs_fwd(u, w, q, intra, states, prec, interpret):
-    # the inputs are the residuals: recomputing v in the backward costs one tile product per block
-    return _chunk_outputs(u, w, q, intra, states, prec, interpret), (u, w, q, intra, states)
-
-
-def _chunk_outputs_bwd(prec, interpret, res, cotangents):
-    u, w, q, intra, states = res
-    d_out, d_final = cotangents
+def chunk_outputs_backward(
+    u: jax.Array, w: jax.Array, q: jax.Array, intra: jax.Array, states: jax.Array,  # as `chunk_outputs`
+    d_out: jax.Array,  # [B, n, H, L, Dv]
+    d_final: jax.Array,  # [B, H, Dk, Dv]: the cotangent of the final state, states[:, -1]
+    prec,
+    interpret: bool,
+) -> tuple[jax.Array, ...]:  # du, dw, dq, dintra, d_states (shapes of the inputs)
+    """The gradients of `chunk_outputs`' inputs (v recomputed: one tile product per column block)."""
     B, n, H, L, Dk = w.shape
     Dv = u.shape[-1]
     w, q, intra = _read_halved(prec, w, q, intra)
@@ -126,23 +130,3 @@ def _chunk_outputs_bwd(prec, interpret, res, cotangents):
     # place (a zeros buffer filled around it would be a constant XLA folds when d_final is zero)
     return du, dw, dq, dintra, d_states.at[:, -1].set(d_final.astype(f32))
 
-
-_chunk_outputs.defvjp(_chunk_outputs_fwd, _chunk_outputs_bwd)
-
-
-def pallas_chunk_outputs(
-    u: jax.Array,  # [B, n, H, L, Dv] float32
-    w: jax.Array,  # [B, n, H, L, Dk] float32
-    q: jax.Array,  # [B, n, H, L, Dk] float32
-    intra: jax.Array,  # [B, n, H, L, L] float32
-    states: jax.Array,  # [B, n + 1, H, Dk, Dv] float32: the state entering each chunk, the final one last
-    prec,
-    *,
-    interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:  # out [B, n, H, L, Dv], final state [B, H, Dk, Dv] float32
-    """out_c = q_c S_c + intra_c (u_c - w_c S_c) for every chunk c, and the final state passed through.
-    `interpret`: None runs the Triton kernels on a GPU and interprets them elsewhere; False builds them
-    for Triton anywhere."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    return _chunk_outputs(u, w, q, intra, states, prec, interpret)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -40,8 +41,13 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from qwen35_jax.layers.chunk_outputs_pallas import pallas_chunk_outputs
-from qwen35_jax.layers.chunk_states_pallas import CHUNK_STATES_NAME, kernel_fits, pallas_entering_states
+from qwen35_jax.layers.chunk_outputs_pallas import chunk_outputs, chunk_outputs_backward
+from qwen35_jax.layers.chunk_states_pallas import (
+    CHUNK_STATES_NAME,
+    entering_states,
+    entering_states_backward,
+    kernel_fits,
+)
 from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, gdn_einsum
 from qwen35_jax.layers.trace_setting import scoped
 
@@ -200,13 +206,42 @@ def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Ar
     return _outputs(u, w, q, intra, checkpoint_name(states, CHUNK_STATES_NAME), prec)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _pallas_scan(u, w, q, k, intra, decay, state, prec, interpret):
+    states = entering_states(u, w, k, decay, state, prec, interpret)
+    return chunk_outputs(u, w, q, intra, states, prec, interpret), states[:, -1]
+
+
+def _pallas_scan_fwd(u, w, q, k, intra, decay, state, prec, interpret):
+    # the states named as the residual: a remat policy that saves the name keeps the recurrence kernel
+    # out of the recomputed forward (a name on a custom_vjp's output alone does not reach its residuals)
+    states = checkpoint_name(entering_states(u, w, k, decay, state, prec, interpret), CHUNK_STATES_NAME)
+    out = chunk_outputs(u, w, q, intra, states, prec, interpret)
+    return (out, states[:, -1]), (u, w, q, k, intra, decay, states)
+
+
+def _pallas_scan_bwd(prec, interpret, res, cotangents):
+    u, w, q, k, intra, decay, states = res
+    d_out, d_final = cotangents
+    du, dw, dq, dintra, d_states = chunk_outputs_backward(u, w, q, intra, states, d_out, d_final, prec, interpret)
+    # u and w feed both kernels: the chunk-gradient kernel adds the output kernel's share in registers
+    du, dw, dk, d_decay, d_state = entering_states_backward(u, w, k, decay, states, d_states, prec, interpret,
+                                                            du_add=du, dw_add=dw)
+    return du, dw, dq, dk, dintra, d_decay, d_state
+
+
+_pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
+
+
 def pallas_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
-                        decay: jax.Array, state: jax.Array, prec: GdnPrecision
+                        decay: jax.Array, state: jax.Array, prec: GdnPrecision, *, interpret: bool | None = None
                         ) -> tuple[jax.Array, jax.Array]:
     """As `sequential_chunk_states`, with every chunk's entering state from the Pallas recurrence kernel
-    and the outputs from them by the Pallas output kernel."""
-    states = checkpoint_name(pallas_entering_states(u, w, k, decay, state, prec), CHUNK_STATES_NAME)
-    return pallas_chunk_outputs(u, w, q, intra, states, prec)
+    and the outputs from them by the Pallas output kernel, under one VJP. `interpret`: None runs the
+    Triton kernels on a GPU and interprets them elsewhere; False builds them for Triton anywhere."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return _pallas_scan(u, w, q, k, intra, decay, state, prec, interpret)
 
 
 CHUNK_STATES = {"sequential": sequential_chunk_states, "associative": associative_chunk_states,

@@ -157,7 +157,7 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _entering_states(u, w, k, decay, state, prec, interpret):
-    return _recurrence(k, w, u, decay, state, None, reverse=False, prec=prec, interpret=interpret)
+    return entering_states(u, w, k, decay, state, prec, interpret)
 
 
 def _entering_states_fwd(u, w, k, decay, state, prec, interpret):
@@ -168,24 +168,49 @@ def _entering_states_fwd(u, w, k, decay, state, prec, interpret):
 
 
 def _entering_states_bwd(prec, interpret, res, d_states):
-    u, w, k, decay, states = res
+    return entering_states_backward(*res, d_states, prec, interpret)
+
+
+def entering_states(u: jax.Array, w: jax.Array, k: jax.Array, decay: jax.Array, state: jax.Array, prec,
+                    interpret: bool) -> jax.Array:  # shapes as `pallas_entering_states`
+    """The forward kernel alone (no VJP): every chunk's entering state, the final one last."""
+    return _recurrence(k, w, u, decay, state, None, reverse=False, prec=prec, interpret=interpret)
+
+
+def entering_states_backward(
+    u: jax.Array,  # [B, n, H, L, Dv]
+    w: jax.Array,  # [B, n, H, L, Dk]
+    k: jax.Array,  # [B, n, H, L, Dk]
+    decay: jax.Array,  # [B, n, H]
+    states: jax.Array,  # [B, n + 1, H, Dk, Dv]: `entering_states`
+    d_states: jax.Array,  # [B, n + 1, H, Dk, Dv]: their cotangent
+    prec,
+    interpret: bool,
+    du_add: jax.Array | None = None,  # [B, n, H, L, Dv]: another use's gradient of u, added in the kernel
+    dw_add: jax.Array | None = None,  # [B, n, H, L, Dk]: likewise for w
+) -> tuple[jax.Array, ...]:  # du, dw, dk, d_decay, d_state [B, H, Dk, Dv]
+    """The gradients of `entering_states`' inputs: the reverse recurrence, then the chunk-gradient kernel."""
     # G_c for c = 0..n: the reverse map with (k, w) swapped, no b, dS_c added, from G_n = dS_n
     grads = _recurrence(w, k, None, decay, d_states[:, -1], d_states, reverse=True, prec=prec,
                         interpret=interpret)
-    dv, dw, dk, d_decay = _chunk_gradients(u, w, k, states, grads, prec=prec, interpret=interpret)
-    return dv, dw, dk, d_decay, grads[:, 0]
+    du, dw, dk, d_decay = _chunk_gradients(u, w, k, states, grads, du_add, dw_add, prec=prec, interpret=interpret)
+    return du, dw, dk, d_decay, grads[:, 0]
 
 
-def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array, grads: jax.Array, *, prec,
+def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array, grads: jax.Array,
+                     du_add: jax.Array | None, dw_add: jax.Array | None, *, prec,
                      interpret: bool) -> tuple[jax.Array, ...]:
     """Per chunk c, from S_c = states[:, c] and G_c+1 = grads[:, c + 1]: v = u - w S, dv = k G,
     dw = -dv S^T, dk = v G^T, dd = <S, G>. One program per (sequence, chunk, head), every chunk at
     once; each reads its two states once and keeps v, dv's partial products and the sums in registers
     (as batched XLA matmuls these were a dozen passes over [B, n, H, L, D] and [B, n, H, Dk, Dv] arrays).
+    du_add and dw_add (both or neither) are added to du = dv and dw before they are written: the
+    gradients that u and w get from the chunk-output kernel, without an XLA pass that sums them.
 
     u [B, n, H, L, Dv], w, k [B, n, H, L, Dk], states, grads [B, n + 1, H, Dk, Dv] float32 ->
-    dv [B, n, H, L, Dv], dw, dk [B, n, H, L, Dk], dd [B, n, H] float32.
+    du [B, n, H, L, Dv], dw, dk [B, n, H, L, Dk], dd [B, n, H] float32.
     """
+    adds = du_add is not None
     B, n, H, L, Dk = w.shape
     Dv = u.shape[-1]
     if bf16_operands(prec):  # the kernel would round them anyway: read half the bytes
@@ -195,9 +220,11 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
     rows_by_cols = (((1,), (0,)), ((), ()))  # [L, Dk] x [Dk, bv]
     cols_by_cols = (((1,), (1,)), ((), ()))  # [L, bv] x [Dk, bv]^T
 
-    def kernel(u_ref, w_ref, k_ref, s_ref, g_ref, dv_ref, dw_ref, dk_ref, dd_ref):
+    def kernel(u_ref, w_ref, k_ref, s_ref, g_ref, *refs):
+        du_add_ref, dw_add_ref = refs[:2] if adds else (None, None)
+        dv_ref, dw_ref, dk_ref, dd_ref = refs[2:] if adds else refs
         w_c, k_c = w_ref[...], k_ref[...]  # [L, Dk]
-        dw = jnp.zeros((L, Dk), jnp.float32)
+        dw = dw_add_ref[...] if adds else jnp.zeros((L, Dk), jnp.float32)
         dk = jnp.zeros((L, Dk), jnp.float32)
         dd = jnp.zeros((), jnp.float32)
         for j in range(Dv // bv):  # the state's column blocks: dw, dk and dd sum over them
@@ -205,7 +232,7 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
             s, g = s_ref[:, cols], g_ref[:, cols]  # S_c, G_c+1 [Dk, bv]
             v = u_ref[:, cols] - dot(w_c, s, rows_by_cols)  # [L, bv]
             dv = dot(k_c, g, rows_by_cols)
-            dv_ref[:, cols] = dv
+            dv_ref[:, cols] = dv + du_add_ref[:, cols] if adds else dv
             dw = dw - dot(dv, s, cols_by_cols)
             dk = dk + dot(v, g, cols_by_cols)
             dd = dd + jnp.sum(s * g)
@@ -222,7 +249,7 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
     return pl.pallas_call(
         kernel,
         grid=(B, n, H),
-        in_specs=[chunk(Dv), chunk(Dk), chunk(Dk), state(0), state(1)],
+        in_specs=[chunk(Dv), chunk(Dk), chunk(Dk), state(0), state(1)] + ([chunk(Dv), chunk(Dk)] if adds else []),
         out_specs=[chunk(Dv), chunk(Dk), chunk(Dk), pl.BlockSpec((None, None, None), lambda b, c, h: (b, c, h))],
         out_shape=[jax.ShapeDtypeStruct((B, n, H, L, Dv), jnp.float32),
                    jax.ShapeDtypeStruct((B, n, H, L, Dk), jnp.float32),
@@ -231,7 +258,7 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
         compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
         interpret=interpret,
         name="gdn_chunk_gradients",
-    )(u, w, k, states, grads)
+    )(u, w, k, states, grads, *((du_add, dw_add) if adds else ()))
 
 
 _entering_states.defvjp(_entering_states_fwd, _entering_states_bwd)
