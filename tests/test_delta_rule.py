@@ -114,13 +114,13 @@ def test_pallas_chunk_local_kernels_lower_for_gpu():
     # for Triton and lowered for "cuda" at the 0.8B shapes, two value heads per key head.
     n, b, hk, hv, L, dk, dv = 128, 1, 8, 16, 64, 128, 128
 
-    def loss(q, k, v, cum, beta, read, doc):
-        u, w, intra = pallas_chunk_local(q, k, v, cum, beta, read, doc, None, interpret=False)
-        return jnp.sum(u ** 2) + jnp.sum(w ** 2) + jnp.sum(intra ** 2)
+    def loss(q, k, v, cum, beta, read, write, doc):
+        outputs = pallas_chunk_local(q, k, v, cum, beta, read, write, doc, None, interpret=False)
+        return sum(jnp.sum(x ** 2) for x in outputs)
 
-    shapes = [(b, n, hk, L, dk), (b, n, hk, L, dk), (b, n, hv, L, dv)] + [(b, n, hv, L)] * 3
+    shapes = [(b, n, hk, L, dk), (b, n, hk, L, dk), (b, n, hv, L, dv)] + [(b, n, hv, L)] * 4
     args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes] + [jax.ShapeDtypeStruct((b, n, L), jnp.int32)]
-    text = jax.jit(jax.grad(loss, range(6))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(jax.grad(loss, range(7))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert {"gdn_chunk_local", "gdn_chunk_local_backward"} <= set(re.findall(r'name = "(\w+)"', text))
 
 

@@ -92,8 +92,8 @@ def time_gdn_core(
 
 def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: int = 64,
                          precisions: list[str] | None = None) -> dict:
-    """One row: the chunked rule's chunk-local part alone (u, w and intra of every chunk from q, k, v,
-    the decays and beta; `chunk_local_pallas.py`), forward+backward of sum(outputs * cotangents), as
+    """One row: the chunked rule's chunk-local part alone (u, w, intra and the decayed q and k of every
+    chunk from q, k, v, the decays and beta; `chunk_local_pallas.py`), forward+backward of sum(outputs * cotangents), as
     the Pallas kernels against the batched XLA ops, at B = 1, S = `seq`, `heads` key = value heads of
     `dim`, one document; once per precision (None: the backend's), each kernel's largest gradient
     error relative to the XLA form's at the same precision."""
@@ -111,11 +111,12 @@ def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: i
     v = rng.standard_normal((B, n, H, L, D)).astype(np.float32)
     cum = np.cumsum(-np.abs(rng.standard_normal((B, n, H, L))) * 0.1, axis=-1).astype(np.float32)
     beta = (1 / (1 + np.exp(-rng.standard_normal((B, n, H, L))))).astype(np.float32)
-    read = np.exp(cum)
+    read, write = np.exp(cum), np.exp(cum[..., -1:] - cum)
     cot_u, cot_w = (rng.standard_normal((B, n, H, L, D)).astype(np.float32) for _ in range(2))
     cot_intra = rng.standard_normal((B, n, H, L, L)).astype(np.float32)
     doc = np.zeros((B, n, L), np.int32)
-    jargs = [jnp.asarray(x) for x in (q, k, v, cum, beta, read)]
+    cot_q, cot_k = (rng.standard_normal((B, n, H, L, D)).astype(np.float32) for _ in range(2))
+    jargs = [jnp.asarray(x) for x in (q, k, v, cum, beta, read, write)]
 
     def grouped(x):  # [B, n, H, L, ...] -> the XLA form's [B, n, Hk, G = 1, L, ...]
         return x[:, :, :, None]
@@ -124,17 +125,21 @@ def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: i
     for precision in precisions or [None]:
         prec = resolve_gdn_precision(precision)
 
-        def kernel_loss(q, k, v, cum, beta, read, prec=prec):
-            u, w, intra = pallas_chunk_local(q, k, v, cum, beta, read, doc, prec)
-            return jnp.sum(u * cot_u) + jnp.sum(w * cot_w) + jnp.sum(intra * cot_intra)
+        def kernel_loss(q, k, v, cum, beta, read, write, prec=prec):
+            u, w, intra, q_read, k_write = pallas_chunk_local(q, k, v, cum, beta, read, write, doc, prec)
+            return (jnp.sum(u * cot_u) + jnp.sum(w * cot_w) + jnp.sum(intra * cot_intra)
+                    + jnp.sum(q_read * cot_q) + jnp.sum(k_write * cot_k))
 
-        def xla_loss(q, k, v, cum, beta, read, prec=prec):
-            u, w, intra = xla_chunk_local(*(grouped(x) for x in (q, k, v, cum, beta, read)), doc, prec)
-            return jnp.sum(u[:, :, :, 0] * cot_u) + jnp.sum(w[:, :, :, 0] * cot_w) + jnp.sum(intra[:, :, :, 0] * cot_intra)
+        def xla_loss(q, k, v, cum, beta, read, write, prec=prec):
+            u, w, intra = (x[:, :, :, 0] for x in xla_chunk_local(*(grouped(x) for x in (q, k, v, cum, beta, read)),
+                                                                  doc, prec))
+            q_read, k_write = q * read[..., None], k * write[..., None]  # as the rule forms them around XLA's
+            return (jnp.sum(u * cot_u) + jnp.sum(w * cot_w) + jnp.sum(intra * cot_intra)
+                    + jnp.sum(q_read * cot_q) + jnp.sum(k_write * cot_k))
 
         suffix = "" if precision is None else f" {precision}"
         for form, loss in (("xla", xla_loss), ("pallas", kernel_loss)):
-            grads[f"ours {form}{suffix}"] = jit_tuned(jax.grad(loss, argnums=tuple(range(6))))
+            grads[f"ours {form}{suffix}"] = jit_tuned(jax.grad(loss, argnums=tuple(range(7))))
         ref_of[f"ours pallas{suffix}"] = f"ours xla{suffix}"
     fns = {name: (lambda f=f: jax.block_until_ready(f(*jargs))) for name, f in grads.items()}
     row = {"config": "gdn_chunk_local", "settings": dict(B=B, S=seq, H=H, d=D, L=L), "batch": B, "seq": seq,

@@ -9,7 +9,9 @@ entering state):
     u     = T (beta v),   w = T (beta r k),   intra = (q k^T) o D          [L, Dv], [L, Dk], [L, L]
 
 One program per (sequence, chunk, value head) forms both Gram matrices, the decay and the inverse in
-registers and writes u, w, intra and T (the backward's residual). As XLA ops the same work wrote and
+registers and writes u, w, intra, T (the backward's residual) and the queries and keys as the
+chunk-state kernels read them, q_read = r q and k_write = e k (e_i = exp(c_L - c_i) where token i
+writes the state carried out of the chunk, else 0). As XLA ops the same work wrote and
 read a dozen [B, n, H, L, L] and [B, n, H, L, D] float32 arrays between small batched matmuls.
 
 The inverse is block doubling on whole tiles (Triton cannot slice a register tile): with T_m the
@@ -27,6 +29,9 @@ Backward, from du, dw, dintra (rhs_u = beta v, rhs_w = beta r k):
     dkk = dA o beta D,   dqk = dintra o D,   dE = (dA o beta kk + dintra o qk) o D
     dq = dqk k,   dk = dqk^T q + (dkk + dkk^T) k + beta r d rhs_w,   dv = beta d rhs_u
     dc = rowsum(dE) - colsum(dE),   dbeta, dr from the row sums of d rhs o (v, k) and dA o kk D
+
+plus the shares of q_read and k_write: dq += r dq_read, dk += e dk_write, dr += rowsum(dq_read o q),
+de = rowsum(dk_write o k).
 
 dq and dk come per value head; with several value heads per key head (G > 1) XLA sums their G copies.
 Off a GPU the kernels run interpreted (tests).
@@ -98,61 +103,68 @@ def _unit_lower_inverse(a: jax.Array, row: jax.Array, col: jax.Array, dot) -> ja
     return t
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _chunk_local(q, k, v, cum, beta, read, doc, prec, interpret):
-    return _forward(q, k, v, cum, beta, read, doc, prec, interpret)[:3]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
+def _chunk_local(q, k, v, cum, beta, read, write, doc, prec, interpret):
+    return _forward(q, k, v, cum, beta, read, write, doc, prec, interpret)[:5]
 
 
 def _forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax.Array, read: jax.Array,
-             doc: jax.Array, prec: GdnPrecision, interpret: bool) -> tuple[jax.Array, ...]:
-    """Shapes as `pallas_chunk_local` -> u [B, n, Hv, L, Dv], w [B, n, Hv, L, Dk], intra, T [B, n, Hv, L, L]."""
+             write: jax.Array, doc: jax.Array, prec: GdnPrecision, interpret: bool) -> tuple[jax.Array, ...]:
+    """Shapes as `pallas_chunk_local` -> u [B, n, Hv, L, Dv], w, q_read, k_write [B, n, Hv, L, Dk],
+    intra, T [B, n, Hv, L, L]."""
     B, n, Hk, L, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[-1]
     dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
     exact = functools.partial(tile_dot, prec=_inverse_precision(interpret), interpret=interpret)
 
-    def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, doc_ref, u_ref, w_ref, intra_ref, t_ref):
-        k_c, beta_c = k_ref[...], beta_ref[...]
+    def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, write_ref, doc_ref,
+               u_ref, w_ref, intra_ref, q_read_ref, k_write_ref, t_ref):
+        q_c, k_c, beta_c, read_c = q_ref[...], k_ref[...], beta_ref[...], read_ref[...]
         decay, row, col = _decay(cum_ref[...], doc_ref[...])
         a = jnp.where(row > col, beta_c[:, None] * dot(k_c, k_c, _COLS_BY_COLS) * decay, 0.0)
         t = _unit_lower_inverse(a, row, col, exact)
         t_ref[...] = t
         u_ref[...] = dot(t, v_ref[...] * beta_c[:, None], _ROWS_BY_COLS)
-        w_ref[...] = dot(t, k_c * (beta_c * read_ref[...])[:, None], _ROWS_BY_COLS)
-        intra_ref[...] = dot(q_ref[...], k_c, _COLS_BY_COLS) * decay
+        w_ref[...] = dot(t, k_c * (beta_c * read_c)[:, None], _ROWS_BY_COLS)
+        intra_ref[...] = dot(q_c, k_c, _COLS_BY_COLS) * decay
+        q_read_ref[...] = q_c * read_c[:, None]
+        k_write_ref[...] = k_c * write_ref[...][:, None]
 
     value_tile, key_tile, per_token, document = _grid_specs(L, Hv // Hk)
     f32 = jnp.float32
     return tuple(pl.pallas_call(
         kernel, grid=(B, n, Hv),
-        in_specs=[key_tile(Dk), key_tile(Dk), value_tile(Dv), per_token, per_token, per_token, document],
-        out_specs=[value_tile(Dv), value_tile(Dk), value_tile(L), value_tile(L)],
+        in_specs=[key_tile(Dk), key_tile(Dk), value_tile(Dv)] + [per_token] * 4 + [document],
+        out_specs=[value_tile(Dv), value_tile(Dk), value_tile(L), value_tile(Dk), value_tile(Dk), value_tile(L)],
         out_shape=[jax.ShapeDtypeStruct((B, n, Hv, L, Dv), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32),
-                   jax.ShapeDtypeStruct((B, n, Hv, L, L), f32), jax.ShapeDtypeStruct((B, n, Hv, L, L), f32)],
+                   jax.ShapeDtypeStruct((B, n, Hv, L, L), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32),
+                   jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32), jax.ShapeDtypeStruct((B, n, Hv, L, L), f32)],
         compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
         interpret=interpret, name="gdn_chunk_local",
-    )(q, k, v, cum, beta, read, doc))
+    )(q, k, v, cum, beta, read, write, doc))
 
 
-def _chunk_local_fwd(q, k, v, cum, beta, read, doc, prec, interpret):
-    u, w, intra, t = _forward(q, k, v, cum, beta, read, doc, prec, interpret)
-    return (u, w, intra), (q, k, v, cum, beta, read, doc, t)
+def _chunk_local_fwd(q, k, v, cum, beta, read, write, doc, prec, interpret):
+    *outputs, t = _forward(q, k, v, cum, beta, read, write, doc, prec, interpret)
+    return tuple(outputs), (q, k, v, cum, beta, read, write, doc, t)
 
 
 def _chunk_local_bwd(prec, interpret, res, cotangents):
-    q, k, v, cum, beta, read, doc, t = res
-    du, dw, dintra = cotangents
+    q, k, v, cum, beta, read, write, doc, t = res
+    du, dw, dintra, dq_read, dk_write = cotangents
     B, n, Hk, L, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[-1]
     G = Hv // Hk
     dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
     exact = functools.partial(tile_dot, prec=_inverse_precision(interpret), interpret=interpret)
 
-    def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, doc_ref, t_ref, du_ref, dw_ref, dintra_ref,
-               dq_ref, dk_ref, dv_ref, dcum_ref, dbeta_ref, dread_ref):
+    def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, write_ref, doc_ref, t_ref, du_ref, dw_ref,
+               dintra_ref, dq_read_ref, dk_write_ref, dq_ref, dk_ref, dv_ref, dcum_ref, dbeta_ref, dread_ref,
+               dwrite_ref):
         q_c, k_c, v_c, t = q_ref[...], k_ref[...], v_ref[...], t_ref[...]
-        beta_c, read_c = beta_ref[...], read_ref[...]
+        beta_c, read_c, write_c = beta_ref[...], read_ref[...], write_ref[...]
         du_c, dw_c, dintra_c = du_ref[...], dw_ref[...], dintra_ref[...]
+        dq_read, dk_write = dq_read_ref[...], dk_write_ref[...]  # [L, Dk]
         decay, row, col = _decay(cum_ref[...], doc_ref[...])
         kk = dot(k_c, k_c, _COLS_BY_COLS)  # [L, L]
         qk = dot(q_c, k_c, _COLS_BY_COLS)
@@ -169,28 +181,29 @@ def _chunk_local_bwd(prec, interpret, res, cotangents):
         d_k_factor = jnp.sum(d_rhs_w * k_c, axis=1)  # [L]
         dbeta_ref[...] = (jnp.sum(d_rhs_u * v_c, axis=1) + d_k_factor * read_c
                           + jnp.sum(d_a * kk * decay, axis=1))
-        dread_ref[...] = d_k_factor * beta_c
+        dread_ref[...] = d_k_factor * beta_c + jnp.sum(dq_read * q_c, axis=1)
+        dwrite_ref[...] = jnp.sum(dk_write * k_c, axis=1)
         dv_ref[...] = d_rhs_u * beta_c[:, None]
-        dq_ref[...] = dot(d_qk, k_c, _ROWS_BY_COLS)
+        dq_ref[...] = dot(d_qk, k_c, _ROWS_BY_COLS) + dq_read * read_c[:, None]
         dk_ref[...] = (dot(d_qk, q_c, _ROWS_BY_ROWS) + dot(d_kk, k_c, _ROWS_BY_COLS)
-                       + dot(d_kk, k_c, _ROWS_BY_ROWS) + d_rhs_w * k_factor[:, None])
+                       + dot(d_kk, k_c, _ROWS_BY_ROWS) + d_rhs_w * k_factor[:, None] + dk_write * write_c[:, None])
 
     value_tile, key_tile, per_token, document = _grid_specs(L, G)
     f32 = jnp.float32
-    dq, dk, dv, dcum, dbeta, dread = pl.pallas_call(
+    dq, dk, dv, dcum, dbeta, dread, dwrite = pl.pallas_call(
         kernel, grid=(B, n, Hv),
-        in_specs=[key_tile(Dk), key_tile(Dk), value_tile(Dv), per_token, per_token, per_token, document,
-                  value_tile(L), value_tile(Dv), value_tile(Dk), value_tile(L)],
-        out_specs=[value_tile(Dk), value_tile(Dk), value_tile(Dv), per_token, per_token, per_token],
+        in_specs=[key_tile(Dk), key_tile(Dk), value_tile(Dv)] + [per_token] * 4 + [document]
+                 + [value_tile(L), value_tile(Dv), value_tile(Dk), value_tile(L), value_tile(Dk), value_tile(Dk)],
+        out_specs=[value_tile(Dk), value_tile(Dk), value_tile(Dv)] + [per_token] * 4,
         out_shape=[jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32),
                    jax.ShapeDtypeStruct((B, n, Hv, L, Dv), f32)]
-                  + [jax.ShapeDtypeStruct((B, n, Hv, L), f32)] * 3,
+                  + [jax.ShapeDtypeStruct((B, n, Hv, L), f32)] * 4,
         compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
         interpret=interpret, name="gdn_chunk_local_backward",
-    )(q, k, v, cum, beta, read, doc, t, du, dw, dintra)
+    )(q, k, v, cum, beta, read, write, doc, t, du, dw, dintra, dq_read, dk_write)
     if G > 1:  # each value head's share of its key head's gradient
         dq, dk = (x.reshape(B, n, Hk, G, L, Dk).sum(axis=3) for x in (dq, dk))
-    return dq, dk, dv, dcum, dbeta, dread, None
+    return dq, dk, dv, dcum, dbeta, dread, dwrite, None
 
 
 _chunk_local.defvjp(_chunk_local_fwd, _chunk_local_bwd)
@@ -203,13 +216,15 @@ def pallas_chunk_local(
     cum: jax.Array,  # [B, n, Hv, L] float32: cumulative log-decay inside each chunk
     beta: jax.Array,  # [B, n, Hv, L] float32
     read: jax.Array,  # [B, n, Hv, L] float32: the factor with which each token reads the entering state
+    write: jax.Array,  # [B, n, Hv, L] float32: the factor with which each token's key enters the next state
     doc: jax.Array,  # [B, n, L] int32: document index, -1 on padding
     prec: GdnPrecision,
     *,
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array, jax.Array]:  # u [B, n, Hv, L, Dv], w [B, n, Hv, L, Dk], intra [B, n, Hv, L, L]
-    """u, w and intra of every chunk and value head (module docstring). `interpret`: None runs the
+) -> tuple[jax.Array, ...]:  # u [B, n, Hv, L, Dv], w [.., L, Dk], intra [.., L, L], q_read, k_write [.., L, Dk]
+    """u, w and intra of every chunk and value head (module docstring), and the queries and keys as the
+    chunk-state kernels take them, q_read = r q and k_write = write k. `interpret`: None runs the
     Triton kernels on a GPU and interprets them elsewhere; False builds them for Triton anywhere."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _chunk_local(q, k, v, cum, beta, read, doc, prec, interpret)
+    return _chunk_local(q, k, v, cum, beta, read, write, doc, prec, interpret)

@@ -169,7 +169,8 @@ def chunked_gated_delta_rule(
     keeps_state = (doc[..., -1] == doc_before)[heads]  # [B, n, 1, 1]
 
     cum = jnp.cumsum(g, axis=-1)  # [B, n, Hk, G, L]
-    read = jnp.exp(cum) * reads_state  # [B, n, Hk, G, L]
+    read = jnp.exp(cum) * reads_state  # [B, n, Hk, G, L]: how each token reads the entering state
+    write = jnp.exp(cum[..., -1:] - cum) * writes_state  # how each token's key enters the next one
 
     def value_heads(x):  # [B, n, Hk, G, ...] -> [B, n, Hv, ...]
         return x.reshape(B, n, Hv, *x.shape[4:])
@@ -177,13 +178,12 @@ def chunked_gated_delta_rule(
     scan = chunk_scan_for(chunk_scan, Dk, Dv, L)
     key = jnp.where(valid, doc, -1)  # [B, n, L]: two tokens interact iff their keys are equal and >= 0
     if scan == "pallas" and (jax.default_backend() != "gpu" or local_kernel_fits(Dk, Dv, L)):
-        u, w, intra = (x.reshape(B, n, Hk, G, L, -1) for x in pallas_chunk_local(
-            q[:, :, :, 0], k[:, :, :, 0], value_heads(v), value_heads(cum), value_heads(beta), value_heads(read),
-            key, prec))  # u [B, n, Hk, G, L, Dv], w [.., L, Dk], intra [.., L, L]
+        u, w, intra, q_read, k_write = (x.reshape(B, n, Hk, G, L, -1) for x in pallas_chunk_local(
+            q[:, :, :, 0], k[:, :, :, 0], *(value_heads(x) for x in (v, cum, beta, read, write)), key, prec))
     else:
         u, w, intra = xla_chunk_local(q, k, v, cum, beta, read, key, prec)
-    q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
-    k_write = k * (jnp.exp(cum[..., -1:] - cum) * writes_state)[..., None]
+        q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
+        k_write = k * write[..., None]
     chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
 
     carry_state = CHUNK_STATES[scan]
