@@ -47,12 +47,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from qwen35_jax.layers.chunk_states_pallas import GRADIENT_KERNEL_WARPS, tile_dot
+from qwen35_jax.layers.chunk_states_pallas import (
+    COLS_BY_COLS,
+    GRADIENT_KERNEL_WARPS,
+    ROWS_BY_COLS,
+    ROWS_BY_ROWS,
+    tile_dot,
+)
 from qwen35_jax.layers.gdn_matmul import GdnPrecision
 
-_ROWS_BY_COLS = (((1,), (0,)), ((), ()))  # [a, b] x [b, c]
-_COLS_BY_COLS = (((1,), (1,)), ((), ()))  # [a, c] x [b, c]^T
-_ROWS_BY_ROWS = (((0,), (0,)), ((), ()))  # [b, a]^T x [b, c]
 
 
 def local_kernel_fits(dk: int, dv: int, chunk: int) -> bool:
@@ -98,7 +101,7 @@ def _unit_lower_inverse(a: jax.Array, row: jax.Array, col: jax.Array, dot) -> ja
         shift = m.bit_length() - 1  # m = 2 ** shift
         same_block = lax.shift_right_logical(row, shift + 1) == lax.shift_right_logical(col, shift + 1)
         corner = same_block & ((row & m) != 0) & ((col & m) == 0)
-        t = t - dot(dot(t, jnp.where(corner, a, 0.0), _ROWS_BY_COLS), t, _ROWS_BY_COLS)
+        t = t - dot(dot(t, jnp.where(corner, a, 0.0), ROWS_BY_COLS), t, ROWS_BY_COLS)
         m *= 2
     return t
 
@@ -121,12 +124,12 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax
                u_ref, w_ref, intra_ref, q_read_ref, k_write_ref, t_ref):
         q_c, k_c, beta_c, read_c = q_ref[...], k_ref[...], beta_ref[...], read_ref[...]
         decay, row, col = _decay(cum_ref[...], doc_ref[...])
-        a = jnp.where(row > col, beta_c[:, None] * dot(k_c, k_c, _COLS_BY_COLS) * decay, 0.0)
+        a = jnp.where(row > col, beta_c[:, None] * dot(k_c, k_c, COLS_BY_COLS) * decay, 0.0)
         t = _unit_lower_inverse(a, row, col, exact)
         t_ref[...] = t
-        u_ref[...] = dot(t, v_ref[...] * beta_c[:, None], _ROWS_BY_COLS)
-        w_ref[...] = dot(t, k_c * (beta_c * read_c)[:, None], _ROWS_BY_COLS)
-        intra_ref[...] = dot(q_c, k_c, _COLS_BY_COLS) * decay
+        u_ref[...] = dot(t, v_ref[...] * beta_c[:, None], ROWS_BY_COLS)
+        w_ref[...] = dot(t, k_c * (beta_c * read_c)[:, None], ROWS_BY_COLS)
+        intra_ref[...] = dot(q_c, k_c, COLS_BY_COLS) * decay
         q_read_ref[...] = q_c * read_c[:, None]
         k_write_ref[...] = k_c * write_ref[...][:, None]
 
@@ -166,14 +169,14 @@ def _chunk_local_bwd(prec, interpret, res, cotangents):
         du_c, dw_c, dintra_c = du_ref[...], dw_ref[...], dintra_ref[...]
         dq_read, dk_write = dq_read_ref[...], dk_write_ref[...]  # [L, Dk]
         decay, row, col = _decay(cum_ref[...], doc_ref[...])
-        kk = dot(k_c, k_c, _COLS_BY_COLS)  # [L, L]
-        qk = dot(q_c, k_c, _COLS_BY_COLS)
+        kk = dot(k_c, k_c, COLS_BY_COLS)  # [L, L]
+        qk = dot(q_c, k_c, COLS_BY_COLS)
         k_factor = beta_c * read_c  # [L]
-        d_t = (dot(du_c, v_c * beta_c[:, None], _COLS_BY_COLS)
-               + dot(dw_c, k_c * k_factor[:, None], _COLS_BY_COLS))  # [L, L]
-        d_rhs_u = dot(t, du_c, _ROWS_BY_ROWS)  # [L, Dv]
-        d_rhs_w = dot(t, dw_c, _ROWS_BY_ROWS)  # [L, Dk]
-        d_a = jnp.where(row > col, -exact(exact(t, d_t, _ROWS_BY_ROWS), t, _COLS_BY_COLS), 0.0)
+        d_t = (dot(du_c, v_c * beta_c[:, None], COLS_BY_COLS)
+               + dot(dw_c, k_c * k_factor[:, None], COLS_BY_COLS))  # [L, L]
+        d_rhs_u = dot(t, du_c, ROWS_BY_ROWS)  # [L, Dv]
+        d_rhs_w = dot(t, dw_c, ROWS_BY_ROWS)  # [L, Dk]
+        d_a = jnp.where(row > col, -exact(exact(t, d_t, ROWS_BY_ROWS), t, COLS_BY_COLS), 0.0)
         d_kk = d_a * decay * beta_c[:, None]
         d_qk = dintra_c * decay
         d_exp = (d_a * beta_c[:, None] * kk + dintra_c * qk) * decay  # d exp(c_i - c_j) o D
@@ -184,9 +187,9 @@ def _chunk_local_bwd(prec, interpret, res, cotangents):
         dread_ref[...] = d_k_factor * beta_c + jnp.sum(dq_read * q_c, axis=1)
         dwrite_ref[...] = jnp.sum(dk_write * k_c, axis=1)
         dv_ref[...] = d_rhs_u * beta_c[:, None]
-        dq_ref[...] = dot(d_qk, k_c, _ROWS_BY_COLS) + dq_read * read_c[:, None]
-        dk_ref[...] = (dot(d_qk, q_c, _ROWS_BY_ROWS) + dot(d_kk, k_c, _ROWS_BY_COLS)
-                       + dot(d_kk, k_c, _ROWS_BY_ROWS) + d_rhs_w * k_factor[:, None] + dk_write * write_c[:, None])
+        dq_ref[...] = dot(d_qk, k_c, ROWS_BY_COLS) + dq_read * read_c[:, None]
+        dk_ref[...] = (dot(d_qk, q_c, ROWS_BY_ROWS) + dot(d_kk, k_c, ROWS_BY_COLS)
+                       + dot(d_kk, k_c, ROWS_BY_ROWS) + d_rhs_w * k_factor[:, None] + dk_write * write_c[:, None])
 
     value_tile, key_tile, per_token, document = _grid_specs(L, G)
     f32 = jnp.float32

@@ -24,12 +24,16 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from qwen35_jax.layers.chunk_states_pallas import GRADIENT_KERNEL_WARPS, state_columns, tile_dot
+from qwen35_jax.layers.chunk_states_pallas import (
+    COLS_BY_COLS,
+    GRADIENT_KERNEL_WARPS,
+    ROWS_BY_COLS,
+    ROWS_BY_ROWS,
+    state_columns,
+    tile_dot,
+)
 from qwen35_jax.layers.gdn_matmul import bf16_operands
 
-_ROWS_BY_COLS = (((1,), (0,)), ((), ()))  # [a, b] x [b, c]
-_COLS_BY_COLS = (((1,), (1,)), ((), ()))  # [a, c] x [b, c]^T
-_ROWS_BY_ROWS = (((0,), (0,)), ((), ()))  # [b, a]^T x [b, c]
 
 
 def _specs(L: int, Dk: int, Dv: int):
@@ -67,8 +71,8 @@ def chunk_outputs(
         for j in range(Dv // bv):
             cols = pl.ds(j * bv, bv)
             s = s_ref[:, cols]  # [Dk, bv]
-            v = u_ref[:, cols] - dot(w_c, s, _ROWS_BY_COLS)  # [L, bv]
-            out_ref[:, cols] = dot(q_c, s, _ROWS_BY_COLS) + dot(intra_c, v, _ROWS_BY_COLS)
+            v = u_ref[:, cols] - dot(w_c, s, ROWS_BY_COLS)  # [L, bv]
+            out_ref[:, cols] = dot(q_c, s, ROWS_BY_COLS) + dot(intra_c, v, ROWS_BY_COLS)
 
     chunk, state = _specs(L, Dk, Dv)
     return pl.pallas_call(
@@ -103,13 +107,13 @@ def chunk_outputs_backward(
         for j in range(Dv // bv):  # dw, dq and dintra sum over the state's column blocks
             cols = pl.ds(j * bv, bv)
             s, o = s_ref[:, cols], o_ref[:, cols]  # [Dk, bv], [L, bv]
-            v = u_ref[:, cols] - dot(w_c, s, _ROWS_BY_COLS)
-            dv = dot(intra_c, o, _ROWS_BY_ROWS)  # [L, bv]
+            v = u_ref[:, cols] - dot(w_c, s, ROWS_BY_COLS)
+            dv = dot(intra_c, o, ROWS_BY_ROWS)  # [L, bv]
             du_ref[:, cols] = dv
-            ds_ref[:, cols] = dot(q_c, o, _ROWS_BY_ROWS) - dot(w_c, dv, _ROWS_BY_ROWS)
-            dq = dq + dot(o, s, _COLS_BY_COLS)
-            dw = dw - dot(dv, s, _COLS_BY_COLS)
-            dintra = dintra + dot(o, v, _COLS_BY_COLS)
+            ds_ref[:, cols] = dot(q_c, o, ROWS_BY_ROWS) - dot(w_c, dv, ROWS_BY_ROWS)
+            dq = dq + dot(o, s, COLS_BY_COLS)
+            dw = dw - dot(dv, s, COLS_BY_COLS)
+            dintra = dintra + dot(o, v, COLS_BY_COLS)
         dw_ref[...] = dw
         dq_ref[...] = dq
         dintra_ref[...] = dintra

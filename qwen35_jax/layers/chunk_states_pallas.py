@@ -50,6 +50,10 @@ DEFAULT_BLOCKS = (64, 4)
 GRADIENT_KERNEL_WARPS = 8
 _blocks: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("gdn_kernel_blocks",
                                                                          default=DEFAULT_BLOCKS)
+# `tile_dot` contractions of two 2-D tiles
+ROWS_BY_COLS = (((1,), (0,)), ((), ()))  # [a, b] x [b, c]
+COLS_BY_COLS = (((1,), (1,)), ((), ()))  # [a, c] x [b, c]^T
+ROWS_BY_ROWS = (((0,), (0,)), ((), ()))  # [b, a]^T x [b, c]
 
 
 def gdn_kernel_blocks(block_v: int, num_warps: int) -> contextlib.AbstractContextManager[None]:
@@ -82,10 +86,10 @@ def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_r
 
     def step(i, x):  # x [Dk, BV] float32
         c = n - 1 - i if reverse else i
-        rhs = -tile_dot(q_ref[c], x, (((1,), (0,)), ((), ())), prec, interpret)  # [L, BV]
+        rhs = -tile_dot(q_ref[c], x, ROWS_BY_COLS, prec, interpret)  # [L, BV]
         if b_ref is not None:
             rhs = rhs + b_ref[c]
-        x = decay_ref[c] * x + tile_dot(p_ref[c], rhs, (((0,), (0,)), ((), ())), prec, interpret)
+        x = decay_ref[c] * x + tile_dot(p_ref[c], rhs, ROWS_BY_ROWS, prec, interpret)
         if add_ref is not None:
             x = x + add_ref[c]
         out_ref[c if reverse else c + 1] = x
@@ -217,8 +221,6 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
         w, k = w.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
     bv = state_columns(Dv)
     dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
-    rows_by_cols = (((1,), (0,)), ((), ()))  # [L, Dk] x [Dk, bv]
-    cols_by_cols = (((1,), (1,)), ((), ()))  # [L, bv] x [Dk, bv]^T
 
     def kernel(u_ref, w_ref, k_ref, s_ref, g_ref, *refs):
         du_add_ref, dw_add_ref = refs[:2] if adds else (None, None)
@@ -230,11 +232,11 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
         for j in range(Dv // bv):  # the state's column blocks: dw, dk and dd sum over them
             cols = pl.ds(j * bv, bv)
             s, g = s_ref[:, cols], g_ref[:, cols]  # S_c, G_c+1 [Dk, bv]
-            v = u_ref[:, cols] - dot(w_c, s, rows_by_cols)  # [L, bv]
-            dv = dot(k_c, g, rows_by_cols)
+            v = u_ref[:, cols] - dot(w_c, s, ROWS_BY_COLS)  # [L, bv]
+            dv = dot(k_c, g, ROWS_BY_COLS)
             dv_ref[:, cols] = dv + du_add_ref[:, cols] if adds else dv
-            dw = dw - dot(dv, s, cols_by_cols)
-            dk = dk + dot(v, g, cols_by_cols)
+            dw = dw - dot(dv, s, COLS_BY_COLS)
+            dk = dk + dot(v, g, COLS_BY_COLS)
             dd = dd + jnp.sum(s * g)
         dw_ref[...] = dw
         dk_ref[...] = dk
