@@ -122,16 +122,18 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax
 
     def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, write_ref, doc_ref,
                u_ref, w_ref, intra_ref, q_read_ref, k_write_ref, t_ref):
-        q_c, k_c, beta_c, read_c = q_ref[...], k_ref[...], beta_ref[...], read_ref[...]
+        # q and v are read where they are needed (fewer tiles live across the inverse)
+        k_c, beta_c, read_c = k_ref[...], beta_ref[...], read_ref[...]
         decay, row, col = _decay(cum_ref[...], doc_ref[...])
         a = jnp.where(row > col, beta_c[:, None] * dot(k_c, k_c, COLS_BY_COLS) * decay, 0.0)
         t = _unit_lower_inverse(a, row, col, exact)
         t_ref[...] = t
         u_ref[...] = dot(t, v_ref[...] * beta_c[:, None], ROWS_BY_COLS)
         w_ref[...] = dot(t, k_c * (beta_c * read_c)[:, None], ROWS_BY_COLS)
+        k_write_ref[...] = k_c * write_ref[...][:, None]
+        q_c = q_ref[...]
         intra_ref[...] = dot(q_c, k_c, COLS_BY_COLS) * decay
         q_read_ref[...] = q_c * read_c[:, None]
-        k_write_ref[...] = k_c * write_ref[...][:, None]
 
     value_tile, key_tile, per_token, document = _grid_specs(L, Hv // Hk)
     f32 = jnp.float32
@@ -164,32 +166,46 @@ def _chunk_local_bwd(prec, interpret, res, cotangents):
     def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, write_ref, doc_ref, t_ref, du_ref, dw_ref,
                dintra_ref, dq_read_ref, dk_write_ref, dq_ref, dk_ref, dv_ref, dcum_ref, dbeta_ref, dread_ref,
                dwrite_ref):
-        q_c, k_c, v_c, t = q_ref[...], k_ref[...], v_ref[...], t_ref[...]
-        beta_c, read_c, write_c = beta_ref[...], read_ref[...], write_ref[...]
-        du_c, dw_c, dintra_c = du_ref[...], dw_ref[...], dintra_ref[...]
-        dq_read, dk_write = dq_read_ref[...], dk_write_ref[...]  # [L, Dk]
+        # In the order that keeps the fewest [L, D] and [L, L] tiles live at once (each is 16-32 registers
+        # a thread at 8 warps): every tile is read where it is first needed, every gradient written
+        # as soon as it is complete.
+        beta_c, read_c, write_c = beta_ref[...], read_ref[...], write_ref[...]  # [L]
+        k_factor = beta_c * read_c
         decay, row, col = _decay(cum_ref[...], doc_ref[...])
+        k_c, t = k_ref[...], t_ref[...]
         kk = dot(k_c, k_c, COLS_BY_COLS)  # [L, L]
-        qk = dot(q_c, k_c, COLS_BY_COLS)
-        k_factor = beta_c * read_c  # [L]
-        d_t = (dot(du_c, v_c * beta_c[:, None], COLS_BY_COLS)
-               + dot(dw_c, k_c * k_factor[:, None], COLS_BY_COLS))  # [L, L]
+        # through u = T (beta v)
+        du_c, v_c = du_ref[...], v_ref[...]
         d_rhs_u = dot(t, du_c, ROWS_BY_ROWS)  # [L, Dv]
+        dv_ref[...] = d_rhs_u * beta_c[:, None]
+        d_beta = jnp.sum(d_rhs_u * v_c, axis=1)
+        d_t = dot(du_c, v_c * beta_c[:, None], COLS_BY_COLS)  # [L, L]
+        # through w = T (beta r k)
+        dw_c = dw_ref[...]
+        d_t = d_t + dot(dw_c, k_c * k_factor[:, None], COLS_BY_COLS)
         d_rhs_w = dot(t, dw_c, ROWS_BY_ROWS)  # [L, Dk]
-        d_a = jnp.where(row > col, -exact(exact(t, d_t, ROWS_BY_ROWS), t, COLS_BY_COLS), 0.0)
-        d_kk = d_a * decay * beta_c[:, None]
-        d_qk = dintra_c * decay
-        d_exp = (d_a * beta_c[:, None] * kk + dintra_c * qk) * decay  # d exp(c_i - c_j) o D
-        dcum_ref[...] = jnp.sum(d_exp, axis=1) - jnp.sum(d_exp, axis=0)
         d_k_factor = jnp.sum(d_rhs_w * k_c, axis=1)  # [L]
-        dbeta_ref[...] = (jnp.sum(d_rhs_u * v_c, axis=1) + d_k_factor * read_c
-                          + jnp.sum(d_a * kk * decay, axis=1))
+        dk = d_rhs_w * k_factor[:, None]
+        # through T = (I + A)^-1 and A = strict_lower(beta kk o D)
+        d_a = jnp.where(row > col, -exact(exact(t, d_t, ROWS_BY_ROWS), t, COLS_BY_COLS), 0.0)
+        d_a = d_a * decay
+        dbeta_ref[...] = d_beta + d_k_factor * read_c + jnp.sum(d_a * kk, axis=1)
+        d_kk = d_a * beta_c[:, None]
+        dk = dk + dot(d_kk, k_c, ROWS_BY_COLS) + dot(d_kk, k_c, ROWS_BY_ROWS)
+        d_exp = d_kk * kk  # d exp(c_i - c_j) o D
+        # through intra = (q k^T) o D
+        q_c, dintra_c = q_ref[...], dintra_ref[...]
+        d_qk = dintra_c * decay
+        d_exp = d_exp + d_qk * dot(q_c, k_c, COLS_BY_COLS)
+        dcum_ref[...] = jnp.sum(d_exp, axis=1) - jnp.sum(d_exp, axis=0)
+        dq = dot(d_qk, k_c, ROWS_BY_COLS)
+        dk = dk + dot(d_qk, q_c, ROWS_BY_ROWS)
+        # through q_read = r q and k_write = e k
+        dq_read, dk_write = dq_read_ref[...], dk_write_ref[...]  # [L, Dk]
+        dq_ref[...] = dq + dq_read * read_c[:, None]
         dread_ref[...] = d_k_factor * beta_c + jnp.sum(dq_read * q_c, axis=1)
         dwrite_ref[...] = jnp.sum(dk_write * k_c, axis=1)
-        dv_ref[...] = d_rhs_u * beta_c[:, None]
-        dq_ref[...] = dot(d_qk, k_c, ROWS_BY_COLS) + dq_read * read_c[:, None]
-        dk_ref[...] = (dot(d_qk, q_c, ROWS_BY_ROWS) + dot(d_kk, k_c, ROWS_BY_COLS)
-                       + dot(d_kk, k_c, ROWS_BY_ROWS) + d_rhs_w * k_factor[:, None] + dk_write * write_c[:, None])
+        dk_ref[...] = dk + dk_write * write_c[:, None]
 
     value_tile, key_tile, per_token, document = _grid_specs(L, G)
     f32 = jnp.float32
