@@ -48,7 +48,7 @@ def explain_compile_failure(err: Exception, *, attention: str, logprob_backend: 
         fallbacks.append("--attention auto")
     elif attention in ("auto", "pallas"):
         fallbacks.append("--attention xla")
-    if resolve_backend(logprob_backend) == "pallas":
+    if resolve_backend(logprob_backend) in ("pallas", "pallas_xla"):
         fallbacks.append("--logprob-backend xla")
     if not fallbacks:
         return None

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attention", choices=["auto", "xla", "pallas", "cudnn"], default="auto",
                    help="our attention kernel, as scripts/train.py's --attention (default auto: Pallas on GPU/TPU; "
                         "cudnn: GPU, bfloat16)")
-    p.add_argument("--logprob-backend", choices=["auto", "xla", "pallas"], default="auto",
+    p.add_argument("--logprob-backend", choices=["auto", "xla", "pallas", "pallas_xla"], default="auto",
                    help="our fused log-prob backend, as scripts/train.py's (default auto: Pallas on TPU, XLA elsewhere)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the timed steps, trace one more step of ours with jax.profiler into DIR")

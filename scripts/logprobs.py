@@ -39,7 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=".npy of int document ids [B, S] for packed rows (>= 1, 0 = padding)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="rows per forward pass (default: all rows at once)")
-    parser.add_argument("--backend", choices=["auto", "pallas", "xla", "reference"], default="auto",
+    parser.add_argument("--backend", choices=["auto", "pallas", "xla", "pallas_xla", "reference"], default="auto",
                         help="fused log-prob/entropy backend (default: auto)")
     parser.add_argument("--lm-head", choices=["gather", "vocab_parallel"], default="gather",
                         help="how the sharded lm_head is used (default: gather once)")

@@ -82,7 +82,8 @@ def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
         for word in flags:  # leading NAME=VALUE words: XLA_FLAGS=... reached the call's XLA_FLAGS
             if word.startswith("XLA_FLAGS="):
                 assert word.removeprefix("XLA_FLAGS=") in result["xla_flags"].split(), (variant, result["xla_flags"])
-        for flag, key in (("--gdn-precision", "gdn_precision"), ("--attention", "attention")):
+        for flag, key in (("--gdn-precision", "gdn_precision"), ("--attention", "attention"),
+                          ("--logprob-backend", "logprob_backend")):
             if flag in flags:  # the variant's setting reached the timed step
                 assert ours[key] == flags[flags.index(flag) + 1], (variant, ours)
     core, local = json.loads((tmp_path / "gdn_core.json").read_text())["runs"]

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qwen35_kernels as qk
-from qwen35_kernels.logprob_entropy import api, pallas, reference, xla
+from qwen35_kernels.logprob_entropy import api, pallas, pallas_xla, reference, xla
 
 
 # ----------------------------------------------------------------------------- float64 truth
@@ -63,6 +63,8 @@ VARIANTS = {
     "xla-small-tiles": _from_stats(functools.partial(xla.token_stats, block_t=16, block_v=64)),
     "pallas-gpu-layout": _from_stats(functools.partial(pallas.token_stats, blocks=SMALL_GPU)),
     "pallas-tpu-layout": _from_stats(functools.partial(pallas.token_stats, blocks=SMALL_TPU)),
+    # the Pallas forward's statistics as the XLA backward's residuals
+    "pallas-forward-xla-backward": _from_stats(functools.partial(pallas_xla.token_stats, blocks=SMALL_GPU)),
 }
 
 
@@ -120,7 +122,7 @@ def test_backends_match_float64(variant, temperature):
     _check(variant, T=37, D=48, V=203, temperature=temperature)
 
 
-@pytest.mark.parametrize("variant", ["xla", "pallas-gpu-layout", "pallas-tpu-layout"])
+@pytest.mark.parametrize("variant", ["xla", "pallas-gpu-layout", "pallas-tpu-layout", "pallas-forward-xla-backward"])
 def test_bfloat16_inputs(variant):
     # bf16 h and w, float32 accumulation. Values are close to float64 on the rounded inputs (the
     # products are exact in float32); gradients are rounded to bf16 on output (and dz to bf16 before
@@ -333,11 +335,12 @@ def test_reference_stats_contract():
     assert np.all(np.asarray(zl)[~valid] == 0)
 
 
-def test_api_pallas_backend_interprets_on_cpu():
-    # backend="pallas" through the public API: this platform's default blocks, interpreted on CPU.
+@pytest.mark.parametrize("backend", ["pallas", "pallas_xla"])
+def test_api_pallas_backends_interpret_on_cpu(backend):
+    # the Pallas backends through the public API: this platform's default blocks, interpreted on CPU.
     h, w, labels, g_lp, g_ent = _problem(7, 21, 40, 150)
     lp, ent, dh, dw = _value_and_grads(
-        functools.partial(qk.linear_logprob_entropy, backend="pallas"), h, w, labels, 1.0, g_lp, g_ent
+        functools.partial(qk.linear_logprob_entropy, backend=backend), h, w, labels, 1.0, g_lp, g_ent
     )
     r_lp, r_ent, r_dh, r_dw = np_logprob_entropy(h, w, labels, 1.0, g_lp, g_ent)
     np.testing.assert_allclose(lp, r_lp, rtol=1e-5, atol=1e-5)

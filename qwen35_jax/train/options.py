@@ -27,7 +27,7 @@ CHOICES = {
     "param_dtype": ("float32", "bfloat16"),
     "compute_dtype": ("float32", "bfloat16"),
     "attention": ("auto", "xla", "pallas", "cudnn"),
-    "logprob_backend": ("auto", "xla", "pallas", "reference"),
+    "logprob_backend": ("auto", "xla", "pallas", "pallas_xla", "reference"),
     "lm_head": ("gather", "vocab_parallel"),
     "gdn_sp_mode": ("all_to_all", "state_passing"),
     "gdn_precision": GDN_PRECISIONS,
@@ -94,7 +94,8 @@ class TrainOptions:
     # --- kernels and parallelism (fallbacks without editing code)
     mesh: str | None = _opt(None, "device layout 'fsdp=F,sp=S' (default: all devices on fsdp)", "parallelism")
     attention: str = _opt("auto", "attention kernel: auto, xla, pallas, cudnn (GPU, bf16)", "parallelism")
-    logprob_backend: str = _opt("auto", "fused log-prob kernel: auto, xla, pallas, reference", "parallelism")
+    logprob_backend: str = _opt("auto", "fused log-prob kernel: auto, xla, pallas, pallas_xla (Pallas forward, "
+                                "XLA backward), reference", "parallelism")
     lm_head: str = _opt("gather", "lm_head under sp: gather or vocab_parallel", "parallelism")
     gdn_sp_mode: str = _opt("all_to_all", "GDN sequence parallelism: all_to_all or state_passing", "parallelism")
     gdn_precision: str = _opt("auto", "matmul precision of the GDN chunked form: auto (highest on CPU, default "

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from . import reference, xla
 
-BACKENDS = ("auto", "pallas", "xla", "reference")
+BACKENDS = ("auto", "pallas", "xla", "pallas_xla", "reference")
 
 
 def resolve_backend(backend: str) -> str:
@@ -66,8 +66,10 @@ def token_stats(
         return reference.token_stats(hidden, weight, labels, t)
     if name == "xla":
         return xla.token_stats(hidden, weight, labels, t)
-    from . import pallas  # imported lazily: the Pallas modules are only needed here
+    from . import pallas, pallas_xla  # imported lazily: the Pallas modules are only needed here
 
+    if name == "pallas_xla":
+        return pallas_xla.token_stats(hidden, weight, labels, t)
     return pallas.token_stats(hidden, weight, labels, t)
 
 
@@ -90,7 +92,8 @@ def linear_logprob_entropy(
 
     Labels < 0 are ignored: log-prob 0 and no gradient; their entropy is still computed. Labels must be
     < V. Differentiable in hidden and weight (custom VJP recomputing logits tile by tile). backend:
-    "auto" (pallas on TPU, xla elsewhere), "pallas", "xla" or "reference" (full logits, for tests).
+    "auto" (pallas on TPU, xla elsewhere), "pallas", "xla", "pallas_xla" (the Pallas forward with the
+    XLA backward) or "reference" (full logits, for tests).
     """
     lse, entropy, label_logit = token_stats(
         hidden, weight, labels, temperature=temperature, backend=backend

@@ -213,7 +213,8 @@ def _params(blk: Blocks, semantics: tuple[str, ...]):
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=TPU_VMEM_LIMIT)
 
 
-def _forward(hidden, weight, labels, temperature: float, blk: Blocks):
+def forward_stats(hidden, weight, labels, temperature: float, blk: Blocks):
+    """(lse, entropy, label logit), 3 x [T] float32, from one kernel launch (no VJP)."""
     T, V = hidden.shape[0], weight.shape[1]
     h, w, lab = _padded(hidden, weight, labels, blk)
     (tp, dp), vp = h.shape, w.shape[1]
@@ -323,11 +324,11 @@ def _backward(hidden, weight, labels, lse, ent, cts, temperature: float, blk: Bl
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _stats(hidden, weight, labels, temperature, blk):
-    return _forward(hidden, weight, labels, temperature, blk)
+    return forward_stats(hidden, weight, labels, temperature, blk)
 
 
 def _stats_fwd(hidden, weight, labels, temperature, blk):
-    lse, ent, zl = _forward(hidden, weight, labels, temperature, blk)
+    lse, ent, zl = forward_stats(hidden, weight, labels, temperature, blk)
     return (lse, ent, zl), (hidden, weight, labels, lse, ent)
 
 

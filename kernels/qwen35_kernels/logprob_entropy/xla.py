@@ -110,7 +110,21 @@ def _stats_fwd(hidden, weight, labels, temperature, block_t, block_v):
 
 
 def _stats_bwd(temperature, block_t, block_v, res, cts):
-    hidden, weight, labels, lse, ent = res
+    return stats_backward(*res, cts, temperature, block_t, block_v)
+
+
+def stats_backward(
+    hidden: jax.Array,  # [T, D]
+    weight: jax.Array,  # [D, V]
+    labels: jax.Array,  # [T] int
+    lse: jax.Array,  # [T] float32, from any backend's forward
+    ent: jax.Array,  # [T] float32
+    cts: tuple[jax.Array, jax.Array, jax.Array],  # cotangents of (lse, entropy, label logit), [T] each
+    temperature: float,
+    block_t: int,
+    block_v: int,
+) -> tuple[jax.Array, jax.Array, None]:  # dh [T, D], dW [D, V] in the inputs' dtypes, None (labels)
+    """The custom VJP's backward: logits recomputed tile by tile, dh and dW accumulated by XLA loops."""
     T, D = hidden.shape
     V = weight.shape[1]
     bt, tp, bv = _blocks(T, V, block_t, block_v)
