@@ -35,6 +35,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gdn-mode", default="all_to_all", help="GDN sp mode: all_to_all or state_passing")
     p.add_argument("--gdn-precision", default=None, help="GDN chunked-form matmul precision (default: the GPU's)")
     p.add_argument("--gdn-remat", default=None, help="what GDN mixers keep for the backward: auto, none or states")
+    p.add_argument("--logprob-backend", default="auto",
+                   help="fused log-prob kernel: auto, xla, pallas or pallas_xla (default auto: xla on GPU)")
     p.add_argument("--top", type=int, default=25, help="source lines listed (default 25)")
     p.add_argument("--hlo", default=None, metavar="PATH", help="also write the optimised HLO here")
     p.add_argument("--from-hlo", default=None, metavar="PATH",
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(preset=args.preset, target=args.target, seq=args.seq, batch=args.batch, mesh=args.mesh,
                  remat=args.remat, attention=args.attention, gdn_mode=args.gdn_mode,
                  gdn_precision=args.gdn_precision, top=args.top, hlo_path=args.hlo, from_hlo=args.from_hlo,
-                 gdn_remat=args.gdn_remat,
+                 gdn_remat=args.gdn_remat, logprob_backend=args.logprob_backend,
                  log=None if args.json else print)
     if args.json:
         print(json.dumps(result))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from qwen35_kernels.logprob_entropy import BACKENDS as LOGPROB_BACKENDS
+
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.memory.gpu_targets import GPU_TARGETS
 from qwen35_jax.memory.step_memory import compile_train_step
@@ -17,11 +19,13 @@ from qwen35_jax.memory.step_memory import compile_train_step
 
 def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str, attention: str,
         gdn_mode: str, gdn_precision: str | None, top: int, hlo_path: str | None = None,
-        from_hlo: str | None = None, gdn_remat: str | None = None, log: Any = print) -> dict[str, Any]:
+        from_hlo: str | None = None, gdn_remat: str | None = None, logprob_backend: str = "auto",
+        log: Any = print) -> dict[str, Any]:
     """What `scripts/gpu_compile.py` prints: the compiled step's memory, then `census_report` of its
     program. from_hlo: read that optimised HLO text (.gz allowed; e.g. the one `device_check.sh`
     brings back from a GPU) instead of compiling; the shape arguments then only size the model FLOPs.
-    gdn_remat: what the GDN mixers keep for the backward (`chunk_states.GDN_REMATS`; None: "auto")."""
+    gdn_remat: what the GDN mixers keep for the backward (`chunk_states.GDN_REMATS`; None: "auto").
+    logprob_backend: the fused log-prob kernel's (`qwen35_kernels.BACKENDS`)."""
     from qwen35_jax.config import REMAT_POLICIES
     from qwen35_jax.layers.chunk_states import gdn_remat as gdn_remat_setting
     from qwen35_jax.layers.chunk_states import resolve_gdn_remat
@@ -38,15 +42,19 @@ def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str
         raise ValueError(f"--target {target!r} is not one of {sorted(GPU_TARGETS)}")
     if gdn_remat is not None:
         resolve_gdn_remat(gdn_remat, on_backend=False)  # a one-line error for a name it does not know
+    if logprob_backend not in LOGPROB_BACKENDS:
+        raise ValueError(f"--logprob-backend {logprob_backend!r} is not one of {LOGPROB_BACKENDS}")
     fsdp, sp = parse_mesh(mesh, fsdp_sp_product(mesh))
     config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
     say = log or (lambda _: None)
     setting = (f"{preset}, {batch} x {seq:,} tokens, mesh fsdp={fsdp},sp={sp}, remat {remat}, attention {attention}, "
                f"GDN {gdn_mode}{f' {gdn_precision}' if gdn_precision else ''}"
-               f"{f', GDN remat {gdn_remat}' if gdn_remat else ''}")
+               f"{f', GDN remat {gdn_remat}' if gdn_remat else ''}"
+               f"{f', log-prob {logprob_backend}' if logprob_backend != 'auto' else ''}")
     result: dict[str, Any] = {"preset": preset, "target": target, "batch": batch, "seq": seq,
                               "mesh": f"fsdp={fsdp},sp={sp}", "remat": remat, "attention": attention,
-                              "gdn_mode": gdn_mode, "gdn_precision": gdn_precision, "gdn_remat": gdn_remat}
+                              "gdn_mode": gdn_mode, "gdn_precision": gdn_precision, "gdn_remat": gdn_remat,
+                              "logprob_backend": logprob_backend}
     gpu = GPU_TARGETS[target]
     if from_hlo:
         text = read_hlo(from_hlo)
@@ -54,7 +62,8 @@ def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str
     else:
         with gdn_remat_setting(gdn_remat):
             compiled, seconds = compile_train_step(config, seq, (fsdp, sp), target=target, batch=batch,
-                                                   attention=attention, gdn_mode=gdn_mode, gdn_precision=gdn_precision)
+                                                   attention=attention, gdn_mode=gdn_mode, gdn_precision=gdn_precision,
+                                                   logprob_backend=logprob_backend)
         text = compiled.as_text()
         if hlo_path:
             with open(hlo_path, "w") as f:

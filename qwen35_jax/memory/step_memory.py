@@ -71,7 +71,7 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
                        gdn_scan: str = "pallas", tile: int | None = DEFAULT_SEQUENCE_TILE,
                        lm_head_mode: str = "gather", batch: int | None = None,
                        devices: list[Any] | None = None, gdn_precision: str | None = None,
-                       target: str | None = None) -> tuple[Any, float]:
+                       logprob_backend: str = "auto", target: str | None = None) -> tuple[Any, float]:
     """Lower and compile the whole train step for one [batch, seq] batch (batch default: fsdp).
 
     By default the program an H200 runs: attention ("pallas": the GPU flash kernel, no [S, S] or
@@ -79,7 +79,8 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     whose mixers keep only their inputs and chunk states) lower in interpret mode on CPU, and a
     `scan_layers` of "auto" is resolved as on a GPU (`scans_layers`). tile: `sequence_tile` (None:
     untiled). lm_head_mode: as `score_tokens` takes it. gdn_precision: the chunked delta rule's matmul
-    precision (`gdn_matmul.gdn_precision`; None: the backend's default). devices: the mesh's devices
+    precision (`gdn_matmul.gdn_precision`; None: the backend's default). logprob_backend: the fused
+    log-prob kernel's (`qwen35_kernels.BACKENDS`). devices: the mesh's devices
     (default: this process's). target: a GPU of `gpu_targets.GPU_TARGETS` to compile for with XLA:GPU
     instead, on compile-only devices of it (no GPU needed): that device's own program and memory."""
     fsdp, sp = mesh_shape
@@ -87,7 +88,8 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
         with traced_as_gpu():
             return compile_train_step(config, seq, mesh_shape, gdn_mode=gdn_mode, attention=attention,
                                       gdn_scan=gdn_scan, tile=tile, lm_head_mode=lm_head_mode, batch=batch,
-                                      devices=compile_only_devices(target, fsdp * sp), gdn_precision=gdn_precision)
+                                      devices=compile_only_devices(target, fsdp * sp), gdn_precision=gdn_precision,
+                                      logprob_backend=logprob_backend)
     if config.scan_layers == "auto":
         config = config.replace(scan_layers=scans_layers(config, backend="gpu"))
     devs = list(jax.devices() if devices is None else devices)[: fsdp * sp]
@@ -98,7 +100,8 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     batch_arrays = {name: jax.ShapeDtypeStruct((1, b, seq), jnp.int32, sharding=NamedSharding(mesh, MICRO_BSS))
                     for name in ("tokens", "segment_ids", "loss_mask")}
     shardings = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_state))
-    step = make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head_mode), shardings)  # the trainer's step
+    step = make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head_mode, backend=logprob_backend),
+                           shardings)  # the trainer's step
     start = time.time()
     mode = gdn_sp_mode(gdn_mode) if sp > 1 else contextlib.nullcontext()
     with (jax.set_mesh(mesh), mode, attention_implementation(attention), gdn_chunk_scan(gdn_scan),
