@@ -13,7 +13,6 @@ import re
 from collections import Counter
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
