@@ -12,7 +12,6 @@ import pytest
 
 from qwen35_jax.layers import attention_kernels as ak
 from qwen35_jax.layers.attention import attention_core
-from qwen35_jax.parallel.mesh import make_mesh
 from qwen35_jax.parallel.ulysses import ulysses_attention
 
 

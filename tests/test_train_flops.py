@@ -11,7 +11,7 @@ from qwen35_jax.hf.load import abstract_model
 from qwen35_jax.parallel.mesh import make_mesh
 from qwen35_jax.train.flops import forward_flops_per_token, jaxpr_dot_flops, peak_tflops, train_flops
 from qwen35_jax.train.optim import make_optimizer, make_schedule, opt_state_shardings
-from qwen35_jax.train.step import StepOptions, batch_shardings, make_train_step
+from qwen35_jax.train.step import StepOptions, make_train_step
 
 # the proportions of a real layer (hidden 256, head_dim 64, 4 + 8 GDN heads of 32, 3 GDN + 1 attention)
 CONFIG = Qwen35Config.preset(
