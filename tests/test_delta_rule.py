@@ -14,8 +14,8 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from float64_reference import torch_float64
 from qwen35_jax.layers.chunk_local_pallas import pallas_chunk_local
-from qwen35_jax.layers.chunk_states import UNROLL_CHUNKS, gdn_chunk_scan, resolve_gdn_chunk_scan
-from qwen35_jax.layers.chunk_states_pallas import pallas_entering_states
+from qwen35_jax.layers.chunk_states import UNROLL_CHUNKS, gdn_chunk_scan, pallas_chunk_states, resolve_gdn_chunk_scan
+from qwen35_jax.layers.chunk_states_pallas import entering_states
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from qwen35_jax.layers.gdn_matmul import BF16_OPERANDS, gdn_precision, resolve_gdn_precision
 
@@ -94,19 +94,22 @@ def test_chunk_scans_match_float64_recurrence(scan, S, chunk_size):
 
 @pytest.mark.parametrize("precision", [None, BF16_OPERANDS])
 def test_pallas_chunk_states_lower_for_gpu(precision):
-    # The recurrence kernels built for Triton (not interpreted) and lowered for "cuda" on this CPU
-    # machine, at the 0.8B model's shapes (8192 tokens: 128 chunks of 64, 16 heads of 128), forward
-    # and backward. Catches what Triton cannot express; compiling the IR needs the GPU itself.
+    # The recurrence and output kernels built for Triton (not interpreted) and lowered for "cuda" on
+    # this CPU machine, at the 0.8B model's shapes (8192 tokens: 128 chunks of 64, 16 heads of 128),
+    # forward and backward. Catches what Triton cannot express; compiling the IR needs the GPU itself.
     n, b, h, L, dk, dv = 128, 1, 16, 64, 128, 128
 
-    def loss(u, w, k, decay, state):
-        return jnp.sum(pallas_entering_states(u, w, k, decay, state, precision, interpret=False) ** 2)
+    def loss(u, w, q, k, intra, decay, state):
+        out, final = pallas_chunk_states(u, w, q, k, intra, decay, state, precision, interpret=False)
+        return jnp.sum(out ** 2) + jnp.sum(final ** 2)
 
-    shapes = [(b, n, h, L, dv), (b, n, h, L, dk), (b, n, h, L, dk), (b, n, h), (b, h, dk, dv)]
+    shapes = [(b, n, h, L, dv), (b, n, h, L, dk), (b, n, h, L, dk), (b, n, h, L, dk), (b, n, h, L, L), (b, n, h),
+              (b, h, dk, dv)]
     args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes]
-    text = jax.jit(jax.grad(loss, range(5))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    text = jax.jit(jax.grad(loss, range(7))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "custom_call @__gpu$xla.gpu.triton" in text
-    assert {"gdn_chunk_states", "gdn_chunk_states_reverse", "gdn_chunk_gradients"} <= set(re.findall(r'name = "(\w+)"', text))
+    assert {"gdn_chunk_states", "gdn_chunk_states_reverse", "gdn_chunk_gradients", "gdn_chunk_outputs",
+            "gdn_chunk_outputs_backward"} <= set(re.findall(r'name = "(\w+)"', text))
 
 
 def test_pallas_chunk_local_kernels_lower_for_gpu():
@@ -362,10 +365,11 @@ def test_pallas_kernel_blocks_split_the_state_columns_alike():
     decay = jnp.asarray(rng.uniform(0.5, 1.0, size=(b, n, h)).astype(np.float32))
     state = jnp.asarray(rng.normal(size=(b, h, dk, dv)).astype(np.float32))
     hi = jax.lax.Precision.HIGHEST
-    want = pallas_entering_states(u, w, k, decay, state, hi)
+    want = entering_states(u, w, k, decay, state, hi, interpret=True)
     for blocks in ((16, 4), (32, 8), (128, 2)):
         with gdn_kernel_blocks(*blocks):
-            np.testing.assert_allclose(pallas_entering_states(u, w, k, decay, state, hi), want, rtol=0, atol=2e-5)
+            got = entering_states(u, w, k, decay, state, hi, interpret=True)
+            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
     with pytest.raises(ValueError, match="block_v must be a power of two >= 16"):
         with gdn_kernel_blocks(24, 4):
             pass

@@ -93,10 +93,10 @@ def time_gdn_core(
 def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: int = 64,
                          precisions: list[str] | None = None) -> dict:
     """One row: the chunked rule's chunk-local part alone (u, w, intra and the decayed q and k of every
-    chunk from q, k, v, the decays and beta; `chunk_local_pallas.py`), forward+backward of sum(outputs * cotangents), as
-    the Pallas kernels against the batched XLA ops, at B = 1, S = `seq`, `heads` key = value heads of
-    `dim`, one document; once per precision (None: the backend's), each kernel's largest gradient
-    error relative to the XLA form's at the same precision."""
+    chunk from q, k, v, the decays and beta; `chunk_local_pallas.py`), forward+backward of
+    sum(outputs * cotangents), as the Pallas kernels against the batched XLA ops, at B = 1, S = `seq`,
+    `heads` key = value heads of `dim`, one document; once per precision (None: the backend's), each
+    kernel's largest gradient error relative to the XLA form's at the same precision."""
     from qwen35_jax.layers.chunk_local_pallas import pallas_chunk_local
     from qwen35_jax.layers.delta_rule import xla_chunk_local
     from qwen35_jax.layers.gdn_matmul import resolve_gdn_precision
@@ -146,9 +146,10 @@ def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: i
            **time_side_by_side(fns, steps)}
     for name, ref_name in ref_of.items():
         ref = [np.asarray(x, np.float64) for x in grads[ref_name](*jargs)]
-        row[name]["max_rel_grad_err_vs_xla"] = max(
-            float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max()) for a, b in zip(grads[name](*jargs), ref))
+        row[name]["max_rel_grad_err_vs_xla"] = max(float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+                                                   for a, b in zip(grads[name](*jargs), ref))
     return row
+
 
 def time_attention_core(seq: int, *, steps: int, ours: bool = True, theirs: bool = True) -> dict:
     """One row: the attention core at B = 1, S = `seq`, 4 query / 2 kv heads of 64, two documents (cut

@@ -73,8 +73,7 @@ def shape_bytes(type_text: str) -> int:
 
 
 def _elements(type_text: str) -> int:
-    m = _SHAPE.search(type_text)
-    return _product(m.group(2)) if m else 1
+    return math.prod(_dims(type_text))
 
 
 def _dims(type_text: str) -> list[int]:

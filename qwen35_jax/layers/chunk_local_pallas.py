@@ -57,15 +57,17 @@ from qwen35_jax.layers.chunk_states_pallas import (
 from qwen35_jax.layers.gdn_matmul import GdnPrecision
 
 
-
 def local_kernel_fits(dk: int, dv: int, chunk: int) -> bool:
     """Whether Triton can compile the kernels for these sizes: whole [L, Dk], [L, Dv] and [L, L] tiles
     need powers of two of at least 16 (every Qwen3.5 model: 128, 128 and chunks of 64)."""
     return all(x >= 16 and x & (x - 1) == 0 for x in (dk, dv, chunk))
 
 
-def _inverse_precision(interpret: bool):
-    return lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+def _tile_dots(prec: GdnPrecision, interpret: bool):
+    """(dot at the rule's `prec`, dot for the inverse: IEEE float32 interpreted, three TF32 passes on a GPU)."""
+    exact = lax.Precision.HIGHEST if interpret else lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return (functools.partial(tile_dot, prec=prec, interpret=interpret),
+            functools.partial(tile_dot, prec=exact, interpret=interpret))
 
 
 def _grid_specs(L: int, G: int):
@@ -117,8 +119,7 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax
     intra, T [B, n, Hv, L, L]."""
     B, n, Hk, L, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[-1]
-    dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
-    exact = functools.partial(tile_dot, prec=_inverse_precision(interpret), interpret=interpret)
+    dot, exact = _tile_dots(prec, interpret)
 
     def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, write_ref, doc_ref,
                u_ref, w_ref, intra_ref, q_read_ref, k_write_ref, t_ref):
@@ -160,8 +161,7 @@ def _chunk_local_bwd(prec, interpret, res, cotangents):
     B, n, Hk, L, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[-1]
     G = Hv // Hk
-    dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
-    exact = functools.partial(tile_dot, prec=_inverse_precision(interpret), interpret=interpret)
+    dot, exact = _tile_dots(prec, interpret)
 
     def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, write_ref, doc_ref, t_ref, du_ref, dw_ref,
                dintra_ref, dq_read_ref, dk_write_ref, dq_ref, dk_ref, dv_ref, dcum_ref, dbeta_ref, dread_ref,

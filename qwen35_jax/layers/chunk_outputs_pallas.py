@@ -35,7 +35,6 @@ from qwen35_jax.layers.chunk_states_pallas import (
 from qwen35_jax.layers.gdn_matmul import bf16_operands
 
 
-
 def _specs(L: int, Dk: int, Dv: int):
     """(chunk(d): chunk c's [L, d] tile, state: block c of [B, n (+ 1), H, Dk, Dv]), on the grid (B, n, H)."""
     def chunk(d):

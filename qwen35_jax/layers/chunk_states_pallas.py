@@ -34,7 +34,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
@@ -159,25 +158,17 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
     )(*args)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _entering_states(u, w, k, decay, state, prec, interpret):
-    return entering_states(u, w, k, decay, state, prec, interpret)
-
-
-def _entering_states_fwd(u, w, k, decay, state, prec, interpret):
-    # named here, as the residual: a remat policy that saves the name then keeps the kernel out of the
-    # recomputed forward (a name on the custom_vjp's output alone does not reach its residuals)
-    states = checkpoint_name(_entering_states(u, w, k, decay, state, prec, interpret), CHUNK_STATES_NAME)
-    return states, (u, w, k, decay, states)
-
-
-def _entering_states_bwd(prec, interpret, res, d_states):
-    return entering_states_backward(*res, d_states, prec, interpret)
-
-
-def entering_states(u: jax.Array, w: jax.Array, k: jax.Array, decay: jax.Array, state: jax.Array, prec,
-                    interpret: bool) -> jax.Array:  # shapes as `pallas_entering_states`
-    """The forward kernel alone (no VJP): every chunk's entering state, the final one last."""
+def entering_states(
+    u: jax.Array,  # [B, n, H, L, Dv] float32
+    w: jax.Array,  # [B, n, H, L, Dk] float32
+    k: jax.Array,  # [B, n, H, L, Dk] float32
+    decay: jax.Array,  # [B, n, H] float32
+    state: jax.Array,  # [B, H, Dk, Dv] float32
+    prec: GdnPrecision,
+    interpret: bool,
+) -> jax.Array:  # [B, n + 1, H, Dk, Dv] float32
+    """The forward kernel alone: every chunk's entering state, the final one last. Its VJP, with the
+    output kernel's, is `chunk_states.pallas_chunk_states`; `entering_states_backward` is its half."""
     return _recurrence(k, w, u, decay, state, None, reverse=False, prec=prec, interpret=interpret)
 
 
@@ -262,23 +253,3 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
         name="gdn_chunk_gradients",
     )(u, w, k, states, grads, *((du_add, dw_add) if adds else ()))
 
-
-_entering_states.defvjp(_entering_states_fwd, _entering_states_bwd)
-
-
-def pallas_entering_states(
-    u: jax.Array,  # [B, n, H, L, Dv] float32
-    w: jax.Array,  # [B, n, H, L, Dk] float32
-    k: jax.Array,  # [B, n, H, L, Dk] float32
-    decay: jax.Array,  # [B, n, H] float32
-    state: jax.Array,  # [B, H, Dk, Dv] float32
-    prec: GdnPrecision,
-    *,
-    interpret: bool | None = None,
-) -> jax.Array:  # [B, n + 1, H, Dk, Dv] float32
-    """The state entering every chunk, and the final one last. `interpret`: None runs the Triton kernel
-    on a GPU and interprets it elsewhere; False builds it for Triton anywhere (to lower it for "cuda"
-    on a CPU machine)."""
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    return _entering_states(u, w, k, decay, state, prec, interpret)
