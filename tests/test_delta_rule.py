@@ -16,6 +16,7 @@ from float64_reference import torch_float64
 from qwen35_jax.layers.chunk_local_pallas import pallas_chunk_local
 from qwen35_jax.layers.chunk_states import UNROLL_CHUNKS, gdn_chunk_scan, pallas_chunk_states, resolve_gdn_chunk_scan
 from qwen35_jax.layers.chunk_states_pallas import entering_states
+from qwen35_jax.layers.chunked_rule_pallas import pallas_chunked_rule
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
 from qwen35_jax.layers.gdn_matmul import BF16_OPERANDS, gdn_precision, resolve_gdn_precision
 
@@ -112,19 +113,83 @@ def test_pallas_chunk_states_lower_for_gpu(precision):
             "gdn_chunk_outputs_backward"} <= set(re.findall(r'name = "(\w+)"', text))
 
 
-def test_pallas_chunk_local_kernels_lower_for_gpu():
-    # The chunk-local kernels (Gram matrices, decay, inverse, u, w, intra; and their backward) built
-    # for Triton and lowered for "cuda" at the 0.8B shapes, two value heads per key head.
+def test_pallas_chunked_rule_lowers_for_gpu_with_bf16_operands():
+    # All seven kernels of the end-to-end Pallas rule (the chunk-local pair writing bfloat16 operands
+    # for the state and output kernels) built for Triton and lowered for "cuda" at the 0.8B shapes,
+    # two value heads per key head, forward and backward.
     n, b, hk, hv, L, dk, dv = 128, 1, 8, 16, 64, 128, 128
 
-    def loss(q, k, v, cum, beta, read, write, doc):
-        outputs = pallas_chunk_local(q, k, v, cum, beta, read, write, doc, None, interpret=False)
-        return sum(jnp.sum(x ** 2) for x in outputs)
+    def loss(q, k, v, cum, beta, read, write, decay, state, doc):
+        out, final = pallas_chunked_rule(q, k, v, cum, beta, read, write, doc, decay, state, BF16_OPERANDS,
+                                         interpret=False)
+        return jnp.sum(out ** 2) + jnp.sum(final ** 2)
 
-    shapes = [(b, n, hk, L, dk), (b, n, hk, L, dk), (b, n, hv, L, dv)] + [(b, n, hv, L)] * 4
+    shapes = [(b, n, hk, L, dk), (b, n, hk, L, dk), (b, n, hv, L, dv)] + [(b, n, hv, L)] * 4 + [(b, n, hv),
+                                                                                               (b, hv, dk, dv)]
     args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes] + [jax.ShapeDtypeStruct((b, n, L), jnp.int32)]
-    text = jax.jit(jax.grad(loss, range(7))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert {"gdn_chunk_local", "gdn_chunk_local_backward"} <= set(re.findall(r'name = "(\w+)"', text))
+    text = jax.jit(jax.grad(loss, range(9))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert {"gdn_chunk_local", "gdn_chunk_local_backward", "gdn_chunk_states", "gdn_chunk_states_reverse",
+            "gdn_chunk_gradients", "gdn_chunk_outputs", "gdn_chunk_outputs_backward"} <= set(
+        re.findall(r'name = "(\w+)"', text))
+
+
+def _per_chunk_inputs(seed, b=1, n=3, hk=1, hv=2, L=16, dk=16, dv=16):
+    """Random inputs of `pallas_chunked_rule` (a document boundary inside chunk 1, padding at the end)."""
+    rng = np.random.default_rng(seed)
+    q, k = (_l2(rng.normal(size=(b, n, hk, L, dk))).astype(np.float32) for _ in range(2))
+    v = rng.normal(size=(b, n, hv, L, dv)).astype(np.float32)
+    cum = np.cumsum(-np.exp(rng.normal(size=(b, n, hv, L)) - 2.0), axis=-1).astype(np.float32)
+    beta = (1 / (1 + np.exp(-rng.normal(size=(b, n, hv, L))))).astype(np.float32)
+    read, write = (np.exp(cum).astype(np.float32), np.exp(cum[..., -1:] - cum).astype(np.float32))
+    decay = np.exp(cum[..., -1]).astype(np.float32)
+    state = rng.normal(size=(b, hv, dk, dv)).astype(np.float32)
+    doc = np.zeros((b, n, L), np.int32)
+    doc[:, 1, L // 2:] = 1
+    doc[:, 2] = 1
+    doc[:, 2, -3:] = -1
+    return q * dk**-0.5, k, v, cum, beta, read, write, doc, decay, state
+
+
+def test_pallas_rule_stores_bf16_operands_without_changing_a_result():
+    """Under bf16 precision the end-to-end Pallas rule writes w, intra, q_read and k_write as bfloat16
+    (every use multiplies them, rounding to bfloat16 first): the local kernel has four bfloat16
+    outputs, and outputs, final state and every gradient equal those of the local kernel and the scan
+    under two VJPs, which pass them as float32. The two differ only in where float32 sums are rounded:
+    measured 0 here; 1e-6 of each result's largest entry allows another CPU's fusion, not u or a
+    cotangent stored at bf16 (errors of 1e-3 and more)."""
+    q, k, v, cum, beta, read, write, doc, decay, state = _per_chunk_inputs(0)
+    weights = [np.random.default_rng(1).normal(size=s).astype(np.float32) for s in (v.shape, state.shape)]
+
+    def end_to_end(q, k, v, cum, beta, read, write, decay, state):
+        return pallas_chunked_rule(q, k, v, cum, beta, read, write, doc, decay, state, BF16_OPERANDS)
+
+    def two_vjps(q, k, v, cum, beta, read, write, decay, state):
+        u, w, intra, q_read, k_write = pallas_chunk_local(q, k, v, cum, beta, read, write, doc, BF16_OPERANDS)
+        return pallas_chunk_states(u, w, q_read, k_write, intra, decay, state, BF16_OPERANDS)
+
+    args = (q, k, v, cum, beta, read, write, decay, state)
+    results = {}
+    for name, rule in (("end_to_end", end_to_end), ("two_vjps", two_vjps)):
+        def loss(*a, rule=rule):
+            out, final = rule(*a)
+            return jnp.sum(out * weights[0]) + jnp.sum(final * weights[1])
+        results[name] = (*jax.jit(rule)(*args), *jax.jit(jax.grad(loss, range(9)))(*args))
+    for got, want in zip(results["end_to_end"], results["two_vjps"]):
+        want = np.asarray(want, np.float64)
+        assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-6 * np.abs(want).max()
+    local = [e for e in _equations(jax.make_jaxpr(end_to_end)(*args).jaxpr)
+             if e.primitive.name == "pallas_call" and e.params["name"] == "gdn_chunk_local"]
+    assert [str(x.aval.dtype) for x in local[0].outvars] == ["float32"] + ["bfloat16"] * 4 + ["float32"]
+
+
+def _equations(jaxpr):
+    """Every equation of `jaxpr` and of the jaxprs in its equations' parameters."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                yield from _equations(inner)
 
 
 def test_chunk_scan_setting_per_backend_and_context():

@@ -110,13 +110,15 @@ def _unit_lower_inverse(a: jax.Array, row: jax.Array, col: jax.Array, dot) -> ja
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _chunk_local(q, k, v, cum, beta, read, write, doc, prec, interpret):
-    return _forward(q, k, v, cum, beta, read, write, doc, prec, interpret)[:5]
+    return chunk_local_forward(q, k, v, cum, beta, read, write, doc, prec, interpret)[:5]
 
 
-def _forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax.Array, read: jax.Array,
-             write: jax.Array, doc: jax.Array, prec: GdnPrecision, interpret: bool) -> tuple[jax.Array, ...]:
-    """Shapes as `pallas_chunk_local` -> u [B, n, Hv, L, Dv], w, q_read, k_write [B, n, Hv, L, Dk],
-    intra, T [B, n, Hv, L, L]."""
+def chunk_local_forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax.Array,
+                        read: jax.Array, write: jax.Array, doc: jax.Array, prec: GdnPrecision, interpret: bool,
+                        operand_dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, ...]:
+    """The forward kernel alone (no VJP): shapes as `pallas_chunk_local` -> u [B, n, Hv, L, Dv], w, intra,
+    q_read, k_write as there, and T [B, n, Hv, L, L] (the backward's residual). w, intra, q_read and
+    k_write, which later kernels only multiply, are written as `operand_dtype`; u and T are float32."""
     B, n, Hk, L, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[-1]
     dot, exact = _tile_dots(prec, interpret)
@@ -130,34 +132,44 @@ def _forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax
         t = _unit_lower_inverse(a, row, col, exact)
         t_ref[...] = t
         u_ref[...] = dot(t, v_ref[...] * beta_c[:, None], ROWS_BY_COLS)
-        w_ref[...] = dot(t, k_c * (beta_c * read_c)[:, None], ROWS_BY_COLS)
-        k_write_ref[...] = k_c * write_ref[...][:, None]
+        w_ref[...] = dot(t, k_c * (beta_c * read_c)[:, None], ROWS_BY_COLS).astype(operand_dtype)
+        k_write_ref[...] = (k_c * write_ref[...][:, None]).astype(operand_dtype)
         q_c = q_ref[...]
-        intra_ref[...] = dot(q_c, k_c, COLS_BY_COLS) * decay
-        q_read_ref[...] = q_c * read_c[:, None]
+        intra_ref[...] = (dot(q_c, k_c, COLS_BY_COLS) * decay).astype(operand_dtype)
+        q_read_ref[...] = (q_c * read_c[:, None]).astype(operand_dtype)
 
     value_tile, key_tile, per_token, document = _grid_specs(L, Hv // Hk)
-    f32 = jnp.float32
+    f32, op = jnp.float32, operand_dtype
     return tuple(pl.pallas_call(
         kernel, grid=(B, n, Hv),
         in_specs=[key_tile(Dk), key_tile(Dk), value_tile(Dv)] + [per_token] * 4 + [document],
         out_specs=[value_tile(Dv), value_tile(Dk), value_tile(L), value_tile(Dk), value_tile(Dk), value_tile(L)],
-        out_shape=[jax.ShapeDtypeStruct((B, n, Hv, L, Dv), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32),
-                   jax.ShapeDtypeStruct((B, n, Hv, L, L), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32),
-                   jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32), jax.ShapeDtypeStruct((B, n, Hv, L, L), f32)],
+        out_shape=[jax.ShapeDtypeStruct((B, n, Hv, L, Dv), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), op),
+                   jax.ShapeDtypeStruct((B, n, Hv, L, L), op), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), op),
+                   jax.ShapeDtypeStruct((B, n, Hv, L, Dk), op), jax.ShapeDtypeStruct((B, n, Hv, L, L), f32)],
         compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
         interpret=interpret, name="gdn_chunk_local",
     )(q, k, v, cum, beta, read, write, doc))
 
 
 def _chunk_local_fwd(q, k, v, cum, beta, read, write, doc, prec, interpret):
-    *outputs, t = _forward(q, k, v, cum, beta, read, write, doc, prec, interpret)
+    *outputs, t = chunk_local_forward(q, k, v, cum, beta, read, write, doc, prec, interpret)
     return tuple(outputs), (q, k, v, cum, beta, read, write, doc, t)
 
 
 def _chunk_local_bwd(prec, interpret, res, cotangents):
-    q, k, v, cum, beta, read, write, doc, t = res
-    du, dw, dintra, dq_read, dk_write = cotangents
+    return (*chunk_local_backward(*res, *cotangents, prec, interpret), None)
+
+
+def chunk_local_backward(
+    q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax.Array, read: jax.Array,
+    write: jax.Array, doc: jax.Array,  # the forward's inputs (shapes as `pallas_chunk_local`)
+    t: jax.Array,  # [B, n, Hv, L, L]: the forward's T
+    du: jax.Array, dw: jax.Array, dintra: jax.Array, dq_read: jax.Array, dk_write: jax.Array,  # float32 cotangents
+    prec: GdnPrecision,
+    interpret: bool,
+) -> tuple[jax.Array, ...]:  # dq, dk [B, n, Hk, L, Dk], dv [B, n, Hv, L, Dv], dcum, dbeta, dread, dwrite [B, n, Hv, L]
+    """The backward kernel alone: the gradients of `chunk_local_forward`'s inputs but doc."""
     B, n, Hk, L, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[-1]
     G = Hv // Hk
@@ -222,7 +234,7 @@ def _chunk_local_bwd(prec, interpret, res, cotangents):
     )(q, k, v, cum, beta, read, write, doc, t, du, dw, dintra, dq_read, dk_write)
     if G > 1:  # each value head's share of its key head's gradient
         dq, dk = (x.reshape(B, n, Hk, G, L, Dk).sum(axis=3) for x in (dq, dk))
-    return dq, dk, dv, dcum, dbeta, dread, dwrite, None
+    return dq, dk, dv, dcum, dbeta, dread, dwrite
 
 
 _chunk_local.defvjp(_chunk_local_fwd, _chunk_local_bwd)

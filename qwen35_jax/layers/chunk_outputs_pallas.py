@@ -11,7 +11,8 @@ and, from the output's cotangent o = d out_c,
 Both directions run one program per (sequence, chunk, head), every chunk at once, the state's columns
 in blocks of `state_columns`; each reads its chunk's tiles and state once and keeps the products in
 registers. As batched XLA matmuls the same arithmetic wrote and read every [B, n, H, L, D] and
-[B, n, H, L, L] intermediate. Precision as `chunk_states_pallas.tile_dot`; off a GPU interpreted.
+[B, n, H, L, L] intermediate. Precision as `chunk_states_pallas.tile_dot` (under "bf16" w, q and intra,
+which are only multiplied, are read as bfloat16, and may arrive so); off a GPU interpreted.
 The VJP that joins them with the state kernels is `chunk_states.pallas_chunk_states`.
 """
 
@@ -51,9 +52,9 @@ def _read_halved(prec, *tiles):
 
 def chunk_outputs(
     u: jax.Array,  # [B, n, H, L, Dv] float32
-    w: jax.Array,  # [B, n, H, L, Dk] float32
-    q: jax.Array,  # [B, n, H, L, Dk] float32
-    intra: jax.Array,  # [B, n, H, L, L] float32
+    w: jax.Array,  # [B, n, H, L, Dk] float32 (or bfloat16 under bf16 precision, as q and intra)
+    q: jax.Array,  # [B, n, H, L, Dk]
+    intra: jax.Array,  # [B, n, H, L, L]
     states: jax.Array,  # [B, n + 1, H, Dk, Dv] float32: the state entering each chunk, the final one last
     prec,
     interpret: bool,

@@ -25,7 +25,7 @@ entering chunk c:
   once by a second kernel (`chunk_outputs_pallas.py`), both under one VJP. The state arithmetic of
   the sequential scan without its launches. Triton kernels: compiled on a GPU, interpreted elsewhere
   (tests; slow). See `chunk_states_pallas.py`. With this scan the chunk-local part that feeds it is
-  a Pallas kernel too (`chunk_local_pallas.py`).
+  a Pallas kernel too (`chunk_local_pallas.py`), all of them under one VJP (`chunked_rule_pallas.py`).
 - "auto": "sequential" on CPU, "pallas" on GPU, "associative" elsewhere (TPU).
 
 All three are exact rewritings of the same recurrence; they differ only in float rounding order.
@@ -208,28 +208,41 @@ def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Ar
     return _outputs(u, w, q, intra, checkpoint_name(states, CHUNK_STATES_NAME), prec)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _pallas_scan(u, w, q, k, intra, decay, state, prec, interpret):
-    states = entering_states(u, w, k, decay, state, prec, interpret)
-    return chunk_outputs(u, w, q, intra, states, prec, interpret), states[:, -1]
-
-
-def _pallas_scan_fwd(u, w, q, k, intra, decay, state, prec, interpret):
-    # the states named as the residual: a remat policy that saves the name keeps the recurrence kernel
-    # out of the recomputed forward (a name on a custom_vjp's output alone does not reach its residuals)
+def scan_forward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array, decay: jax.Array,
+                 state: jax.Array, prec: GdnPrecision, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """The Pallas scan's forward kernels (no VJP; shapes as `sequential_chunk_states`) -> out, and the
+    states [B, n + 1, H, Dk, Dv] float32 named CHUNK_STATES_NAME: a remat policy that saves the name
+    keeps the recurrence kernel out of the recomputed forward (a name on a custom_vjp's output alone
+    does not reach its residuals). w, q, k and intra may be bfloat16 under bf16 precision."""
     states = checkpoint_name(entering_states(u, w, k, decay, state, prec, interpret), CHUNK_STATES_NAME)
-    out = chunk_outputs(u, w, q, intra, states, prec, interpret)
-    return (out, states[:, -1]), (u, w, q, k, intra, decay, states)
+    return chunk_outputs(u, w, q, intra, states, prec, interpret), states
 
 
-def _pallas_scan_bwd(prec, interpret, res, cotangents):
-    u, w, q, k, intra, decay, states = res
-    d_out, d_final = cotangents
+def scan_backward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array, decay: jax.Array,
+                  states: jax.Array, d_out: jax.Array, d_final: jax.Array, prec: GdnPrecision, interpret: bool
+                  ) -> tuple[jax.Array, ...]:  # du, dw, dq, dk, dintra, d_decay, d_state: float32
+    """The Pallas scan's backward kernels from `scan_forward`'s inputs and states and the cotangents of
+    out and of the final state."""
     du, dw, dq, dintra, d_states = chunk_outputs_backward(u, w, q, intra, states, d_out, d_final, prec, interpret)
     # u and w feed both kernels: the chunk-gradient kernel adds the output kernel's share in registers
     du, dw, dk, d_decay, d_state = entering_states_backward(u, w, k, decay, states, d_states, prec, interpret,
                                                             du_add=du, dw_add=dw)
     return du, dw, dq, dk, dintra, d_decay, d_state
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
+def _pallas_scan(u, w, q, k, intra, decay, state, prec, interpret):
+    out, states = scan_forward(u, w, q, k, intra, decay, state, prec, interpret)
+    return out, states[:, -1]
+
+
+def _pallas_scan_fwd(u, w, q, k, intra, decay, state, prec, interpret):
+    out, states = scan_forward(u, w, q, k, intra, decay, state, prec, interpret)
+    return (out, states[:, -1]), (u, w, q, k, intra, decay, states)
+
+
+def _pallas_scan_bwd(prec, interpret, res, cotangents):
+    return scan_backward(*res, *cotangents, prec, interpret)
 
 
 _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)

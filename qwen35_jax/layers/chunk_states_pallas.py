@@ -20,7 +20,8 @@ third kernel, one program per chunk and head, turns them and the saved states in
 of u, w, k, d: v_c = u_c - w_c S_c, dv_c = k_c G_c+1, du_c = dv_c, dw_c = -dv_c S_c^T,
 dk_c = v_c G_c+1^T, dd_c = <S_c, G_c+1>; the initial state's gradient is G_0.
 
-Everything is float32; the matmuls run at `prec` (None: TF32 tensor cores on a GPU, HIGHEST: IEEE
+Everything is float32 but that under "bf16" precision the keys and w may arrive as bfloat16 (they are
+only multiplied); the matmuls run at `prec` (None: TF32 tensor cores on a GPU, HIGHEST: IEEE
 float32, "bf16": both operands rounded to bfloat16, the keys read as bfloat16; `gdn_matmul.py`).
 Off a GPU the kernel runs interpreted (tests).
 """
@@ -160,8 +161,8 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
 
 def entering_states(
     u: jax.Array,  # [B, n, H, L, Dv] float32
-    w: jax.Array,  # [B, n, H, L, Dk] float32
-    k: jax.Array,  # [B, n, H, L, Dk] float32
+    w: jax.Array,  # [B, n, H, L, Dk] float32 (or bfloat16 under bf16 precision, as k)
+    k: jax.Array,  # [B, n, H, L, Dk]
     decay: jax.Array,  # [B, n, H] float32
     state: jax.Array,  # [B, H, Dk, Dv] float32
     prec: GdnPrecision,

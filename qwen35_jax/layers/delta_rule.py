@@ -23,8 +23,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from qwen35_jax.layers.chunk_local_pallas import local_kernel_fits, pallas_chunk_local
+from qwen35_jax.layers.chunk_local_pallas import local_kernel_fits
 from qwen35_jax.layers.chunk_states import CHUNK_STATES, chunk_scan_for
+from qwen35_jax.layers.chunked_rule_pallas import pallas_chunked_rule
 from qwen35_jax.layers.gdn_matmul import gdn_einsum, resolve_gdn_precision
 from qwen35_jax.layers.tiling import delta_rule_tile, tiled_delta_rule
 from qwen35_jax.layers.triangular import unit_lower_inverse
@@ -120,9 +121,9 @@ def chunked_gated_delta_rule(
     precision: str | None = None,
     chunk_scan: str | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] float32, [B, Hv, Dk, Dv] float32
-    """Chunked UT/WY form: intra-chunk work as batched matmuls (with the "pallas" scan one Pallas kernel,
-    `chunk_local_pallas.py`), then the state carried over chunks by `chunk_scan` (see `chunk_states.py`;
-    None: the `gdn_chunk_scan` context, "auto" by default).
+    """Chunked UT/WY form: intra-chunk work as batched matmuls, then the state carried over chunks by
+    `chunk_scan` (see `chunk_states.py`; None: the `gdn_chunk_scan` context, "auto" by default); with
+    the "pallas" scan all of it Pallas kernels under one VJP (`chunked_rule_pallas.py`).
 
     Document boundaries are masks on the intra-chunk decay matrix, on which tokens read the carried
     state, and on which tokens (and whether the old state) enter the state carried out of a chunk.
@@ -177,18 +178,17 @@ def chunked_gated_delta_rule(
 
     scan = chunk_scan_for(chunk_scan, Dk, Dv, L)
     key = jnp.where(valid, doc, -1)  # [B, n, L]: two tokens interact iff their keys are equal and >= 0
+    chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
     if scan == "pallas" and (jax.default_backend() != "gpu" or local_kernel_fits(Dk, Dv, L)):
-        u, w, intra, q_read, k_write = (x.reshape(B, n, Hk, G, L, -1) for x in pallas_chunk_local(
-            q[:, :, :, 0], k[:, :, :, 0], *(value_heads(x) for x in (v, cum, beta, read, write)), key, prec))
+        out, state = pallas_chunked_rule(q[:, :, :, 0], k[:, :, :, 0],
+                                         *(value_heads(x) for x in (v, cum, beta, read, write)), key,
+                                         value_heads(chunk_decay), state, prec)  # out [B, n, Hv, L, Dv]
     else:
         u, w, intra = xla_chunk_local(q, k, v, cum, beta, read, key, prec)
         q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
         k_write = k * write[..., None]
-    chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
-
-    carry_state = CHUNK_STATES[scan]
-    out, state = carry_state(*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)), state,
-                             prec)  # out [B, n, Hv, L, Dv]
+        out, state = CHUNK_STATES[scan](*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)),
+                                        state, prec)  # out [B, n, Hv, L, Dv]
     out = jnp.transpose(out, (0, 1, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
     return out, state
 

@@ -1,0 +1,75 @@
+"""The chunked delta rule as Pallas kernels end to end, under one VJP.
+
+The chunk-local kernel (`chunk_local_pallas.py`) makes u, w, intra, q_read and k_write; the state and
+output kernels (`chunk_states_pallas.py`, `chunk_outputs_pallas.py`) carry the state over the chunks
+and make the outputs. Under one VJP what passes between them is private, so under bf16 precision
+the four arrays that the later kernels only multiply (w, intra, q_read, k_write) are written as
+bfloat16, the value each multiplication would round them to anyway: the same results as float32
+storage at half its bytes, and no conversion pass between the kernels. Their cotangents stay float32.
+u (it is added to, not only multiplied), T, the states and every gradient stay float32.
+
+Backward: the output kernel's backward, the reverse recurrence and chunk-gradient kernel, then the
+chunk-local backward kernel, each fed the float32 cotangents of the one before.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from qwen35_jax.layers.chunk_local_pallas import chunk_local_backward, chunk_local_forward
+from qwen35_jax.layers.chunk_states import scan_backward, scan_forward
+from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
+def _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, interpret):
+    return _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, interpret)[0]
+
+
+def _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, interpret):
+    operand_dtype = jnp.bfloat16 if bf16_operands(prec) else jnp.float32
+    u, w, intra, q_read, k_write, t = chunk_local_forward(q, k, v, cum, beta, read, write, doc, prec, interpret,
+                                                          operand_dtype)
+    out, states = scan_forward(u, w, q_read, k_write, intra, decay, state, prec, interpret)
+    residuals = (q, k, v, cum, beta, read, write, doc, t, u, w, q_read, k_write, intra, decay, states)
+    return (out, states[:, -1]), residuals
+
+
+def _rule_bwd(prec, interpret, residuals, cotangents):
+    q, k, v, cum, beta, read, write, doc, t, u, w, q_read, k_write, intra, decay, states = residuals
+    d_out, d_final = cotangents
+    du, dw, dq_read, dk_write, dintra, d_decay, d_state = scan_backward(
+        u, w, q_read, k_write, intra, decay, states, d_out, d_final, prec, interpret)
+    grads = chunk_local_backward(q, k, v, cum, beta, read, write, doc, t, du, dw, dintra, dq_read, dk_write,
+                                 prec, interpret)
+    return (*grads[:7], None, d_decay, d_state)
+
+
+_rule.defvjp(_rule_fwd, _rule_bwd)
+
+
+def pallas_chunked_rule(
+    q: jax.Array,  # [B, n, Hk, L, Dk] float32, scaled
+    k: jax.Array,  # [B, n, Hk, L, Dk] float32
+    v: jax.Array,  # [B, n, Hv, L, Dv] float32
+    cum: jax.Array,  # [B, n, Hv, L] float32: cumulative log-decay inside each chunk
+    beta: jax.Array,  # [B, n, Hv, L] float32
+    read: jax.Array,  # [B, n, Hv, L] float32: the factor with which each token reads the entering state
+    write: jax.Array,  # [B, n, Hv, L] float32: the factor with which each token's key enters the next state
+    doc: jax.Array,  # [B, n, L] int32: document index, -1 on padding
+    decay: jax.Array,  # [B, n, Hv] float32: each chunk's decay of the state entering it
+    state: jax.Array,  # [B, Hv, Dk, Dv] float32: the state entering the first chunk
+    prec: GdnPrecision,
+    *,
+    interpret: bool | None = None,
+) -> tuple[jax.Array, jax.Array]:  # out [B, n, Hv, L, Dv], final state [B, Hv, Dk, Dv]; float32
+    """The chunked delta rule from its per-chunk inputs (`delta_rule.chunked_gated_delta_rule` makes
+    them): `chunk_local_pallas.pallas_chunk_local` then `chunk_states.pallas_chunk_states`, as one VJP.
+    `interpret`: None runs the Triton kernels on a GPU and interprets them elsewhere; False builds
+    them for Triton anywhere."""
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    return _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, interpret)
