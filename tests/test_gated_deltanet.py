@@ -171,10 +171,11 @@ def test_bfloat16_compute_close_to_float32():
     assert np.abs(got - want).max() < 0.1 * scale and np.abs(got - want).mean() < 0.005 * scale
 
 
-def test_states_remat_keeps_inputs_and_chunk_states_only():
+def test_states_remat_keeps_inputs_chunk_states_and_rule_output_only():
     # GDN remat "states" (the GPU default, with the Pallas chunk scan): the backward keeps the mixer's
-    # inputs and the named chunk states, and recomputes the rest without rerunning the forward state
-    # kernel. "none" keeps every intermediate: at 256 tokens several times more bytes.
+    # inputs, the named chunk states and the rule's output, and recomputes the rest without rerunning
+    # the forward state or output kernel. "none" keeps every intermediate: at 256 tokens several times
+    # more bytes.
     from qwen35_jax.layers.gated_deltanet import gdn_core
 
     B_, S, hk, hv, d = 1, 256, 2, 4, 16
@@ -192,10 +193,11 @@ def test_states_remat_keeps_inputs_and_chunk_states_only():
             assert resolve_gdn_remat() == remat
             _, backward = jax.vjp(loss, *args)
             kept[remat] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
-    # the compiled backward (after XLA removes what nothing reads) runs the reverse kernel, never the
-    # forward state kernel: its ops keep their kernel's name in the metadata
-    kernels = set(re.findall(r'op_name="[^"]*?(gdn_chunk_states\w*)', jax.jit(backward).lower(1.0).compile().as_text()))
-    assert kernels == {"gdn_chunk_states_reverse"}, kernels
+    # the compiled backward (after XLA removes what nothing reads) runs the backward kernels, never the
+    # forward state or output kernel: their ops keep their kernel's name in the metadata
+    text = jax.jit(backward).lower(1.0).compile().as_text()
+    kernels = set(re.findall(r'op_name="[^"]*?(gdn_chunk_(?:states|outputs)\w*)', text))
+    assert kernels == {"gdn_chunk_states_reverse", "gdn_chunk_outputs_backward"}, kernels
     assert kept["states"] * 3 < kept["none"], kept
     with gdn_chunk_scan("pallas"):
         assert resolve_gdn_remat() == "states"  # "auto"

@@ -60,11 +60,15 @@ _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", de
 # - "none": no recompute; autodiff keeps every intermediate it needs, about 230 KB per token and layer
 #   at the 0.8B shapes (16 heads of 128), most of it float32 [tokens, heads, 128]-sized arrays.
 # - "states": the mixer is recomputed in the backward from its inputs, except the chunk states (named
-#   CHUNK_STATES_NAME, [B, n + 1, H, Dk, Dv] float32, 1/L of a token's state per token) which are kept:
-#   the backward repeats the intra-chunk matmuls but not the sequential part. About 5x less to keep.
+#   CHUNK_STATES_NAME, [B, n + 1, H, Dk, Dv] float32, 1/L of a token's state per token) and the rule's
+#   output as the gated norm reads it (RULE_OUTPUT_NAME, [B, S, H, Dv] in the compute dtype), which are
+#   kept: the backward repeats the intra-chunk part but neither the sequential part nor the output
+#   kernel (the rule's own backward does not need its output; only the norm after it does). About 4x
+#   less to keep.
 # - "auto": "states" with the Pallas chunk scan, "none" otherwise (the sequential scan on CPU names no
 #   states, so "states" there would rerun the whole scan).
 GDN_REMATS = ("auto", "none", "states")
+RULE_OUTPUT_NAME = "gdn_rule_output"
 _remat: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_remat", default="auto")
 
 
@@ -84,10 +88,11 @@ def resolve_gdn_remat(name: str | None = None, *, on_backend: bool = True) -> st
 
 
 def apply_gdn_remat(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` (a GDN mixer) as `gdn_remat` says: for "states" checkpointed so that only its inputs and the
-    named chunk states are kept for the backward, else unchanged."""
+    """`fn` (a GDN mixer) as `gdn_remat` says: for "states" checkpointed so that only its inputs, the
+    named chunk states and the named rule output are kept for the backward, else unchanged."""
     if resolve_gdn_remat() == "states":
-        return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(CHUNK_STATES_NAME))
+        policy = jax.checkpoint_policies.save_only_these_names(CHUNK_STATES_NAME, RULE_OUTPUT_NAME)
+        return jax.checkpoint(fn, policy=policy)
     return fn
 
 

@@ -8,8 +8,9 @@ by tile and `gdn_state_passing` on sequence shards.
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 
-from qwen35_jax.layers.chunk_states import apply_gdn_remat
+from qwen35_jax.layers.chunk_states import RULE_OUTPUT_NAME, apply_gdn_remat
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.norms import gated_rms_norm
@@ -44,7 +45,8 @@ def gdn_segment(
         q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
         out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids,
                                               initial_state=initial_state, chunk_size=chunk_size)
-        return gated_rms_norm(out.astype(dtype), z, norm_weight, eps), state  # [B, T, Hv, Dv]
+        out = checkpoint_name(out.astype(dtype), RULE_OUTPUT_NAME)  # [B, T, Hv, Dv]
+        return gated_rms_norm(out, z, norm_weight, eps), state
 
     return apply_gdn_remat(segment)(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight,
                                     segment_ids, halo, initial_state)
