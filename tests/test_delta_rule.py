@@ -182,6 +182,39 @@ def test_pallas_rule_stores_bf16_operands_without_changing_a_result():
     assert [str(x.aval.dtype) for x in local[0].outvars] == ["float32"] + ["bfloat16"] * 4 + ["float32"]
 
 
+def test_pallas_rule_reads_bf16_values_as_they_are():
+    """The end-to-end Pallas rule takes v in the compute dtype, reads it as float32 in registers and
+    returns its gradient in that dtype (no float32 copy of v, no cast of its gradient): outputs, state
+    and the other gradients as for v cast to float32 first (measured equal; 1e-6 of the largest entry
+    allows another CPU's fusion), dv that float32 gradient rounded to bfloat16 (within one bfloat16
+    step of the largest entry, 2**-8, for a last float32 bit that rounds the other way)."""
+    S, chunk_size = 40, 16
+    q, k, v, g, beta, state = _inputs(S, seed=3)
+    q = q * DK**-0.5
+    v16 = jnp.asarray(v).astype(jnp.bfloat16)
+    seg = np.ones((B, S), np.int32)
+    seg[:, 25:] = 2
+    weights = [np.random.default_rng(4).normal(size=s).astype(np.float32) for s in ((B, S, HV, DV), state.shape)]
+
+    def loss(q, k, v, g, beta):
+        out, final = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=state,
+                                              chunk_size=chunk_size, chunk_scan="pallas")
+        return jnp.sum(out * weights[0]) + jnp.sum(final * weights[1]), (out, final)
+
+    grad = jax.jit(jax.grad(loss, range(5), has_aux=True))
+    grads16, (out16, final16) = grad(q, k, v16, g, beta)
+    grads32, (out32, final32) = grad(q, k, v16.astype(jnp.float32), g, beta)
+    assert grads16[2].dtype == jnp.bfloat16
+    for got, want in zip((out16, final16, *grads16[:2], *grads16[3:]), (out32, final32, *grads32[:2], *grads32[3:])):
+        want = np.asarray(want, np.float64)
+        assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-6 * np.abs(want).max()
+    dv32 = np.asarray(grads32[2], np.float64)
+    assert np.abs(np.asarray(grads16[2].astype(jnp.float32), np.float64) - dv32).max() <= 2**-8 * np.abs(dv32).max()
+    local = [e for e in _equations(jax.make_jaxpr(grad)(q, k, v16, g, beta).jaxpr)
+             if e.primitive.name == "pallas_call" and e.params["name"].startswith("gdn_chunk_local")]
+    assert {str(e.invars[2].aval.dtype) for e in local} == {"bfloat16"}  # v, forward and backward
+
+
 def _equations(jaxpr):
     """Every equation of `jaxpr` and of the jaxprs in its equations' parameters."""
     for eqn in jaxpr.eqns:

@@ -131,7 +131,7 @@ def chunk_local_forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array
         a = jnp.where(row > col, beta_c[:, None] * dot(k_c, k_c, COLS_BY_COLS) * decay, 0.0)
         t = _unit_lower_inverse(a, row, col, exact)
         t_ref[...] = t
-        u_ref[...] = dot(t, v_ref[...] * beta_c[:, None], ROWS_BY_COLS)
+        u_ref[...] = dot(t, v_ref[...].astype(jnp.float32) * beta_c[:, None], ROWS_BY_COLS)
         w_ref[...] = dot(t, k_c * (beta_c * read_c)[:, None], ROWS_BY_COLS).astype(operand_dtype)
         k_write_ref[...] = (k_c * write_ref[...][:, None]).astype(operand_dtype)
         q_c = q_ref[...]
@@ -187,9 +187,9 @@ def chunk_local_backward(
         k_c, t = k_ref[...], t_ref[...]
         kk = dot(k_c, k_c, COLS_BY_COLS)  # [L, L]
         # through u = T (beta v)
-        du_c, v_c = du_ref[...], v_ref[...]
+        du_c, v_c = du_ref[...], v_ref[...].astype(jnp.float32)
         d_rhs_u = dot(t, du_c, ROWS_BY_ROWS)  # [L, Dv]
-        dv_ref[...] = d_rhs_u * beta_c[:, None]
+        dv_ref[...] = (d_rhs_u * beta_c[:, None]).astype(dv_ref.dtype)
         d_beta = jnp.sum(d_rhs_u * v_c, axis=1)
         d_t = dot(du_c, v_c * beta_c[:, None], COLS_BY_COLS)  # [L, L]
         # through w = T (beta r k)
@@ -227,7 +227,7 @@ def chunk_local_backward(
                  + [value_tile(L), value_tile(Dv), value_tile(Dk), value_tile(L), value_tile(Dk), value_tile(Dk)],
         out_specs=[value_tile(Dk), value_tile(Dk), value_tile(Dv)] + [per_token] * 4,
         out_shape=[jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32),
-                   jax.ShapeDtypeStruct((B, n, Hv, L, Dv), f32)]
+                   jax.ShapeDtypeStruct((B, n, Hv, L, Dv), v.dtype)]
                   + [jax.ShapeDtypeStruct((B, n, Hv, L), f32)] * 4,
         compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
         interpret=interpret, name="gdn_chunk_local_backward",
@@ -243,7 +243,7 @@ _chunk_local.defvjp(_chunk_local_fwd, _chunk_local_bwd)
 def pallas_chunk_local(
     q: jax.Array,  # [B, n, Hk, L, Dk] float32, scaled
     k: jax.Array,  # [B, n, Hk, L, Dk] float32
-    v: jax.Array,  # [B, n, Hv, L, Dv] float32
+    v: jax.Array,  # [B, n, Hv, L, Dv] float32 or the compute dtype (read as float32; its gradient in its own)
     cum: jax.Array,  # [B, n, Hv, L] float32: cumulative log-decay inside each chunk
     beta: jax.Array,  # [B, n, Hv, L] float32
     read: jax.Array,  # [B, n, Hv, L] float32: the factor with which each token reads the entering state

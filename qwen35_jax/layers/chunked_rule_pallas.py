@@ -54,7 +54,7 @@ _rule.defvjp(_rule_fwd, _rule_bwd)
 def pallas_chunked_rule(
     q: jax.Array,  # [B, n, Hk, L, Dk] float32, scaled
     k: jax.Array,  # [B, n, Hk, L, Dk] float32
-    v: jax.Array,  # [B, n, Hv, L, Dv] float32
+    v: jax.Array,  # [B, n, Hv, L, Dv] float32 or the compute dtype (read as float32; its gradient in its own)
     cum: jax.Array,  # [B, n, Hv, L] float32: cumulative log-decay inside each chunk
     beta: jax.Array,  # [B, n, Hv, L] float32
     read: jax.Array,  # [B, n, Hv, L] float32: the factor with which each token reads the entering state

@@ -33,8 +33,9 @@ from qwen35_jax.layers.triangular import unit_lower_inverse
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state, *, repeat_keys=True):
-    """Validate shapes, cast to float32, repeat key heads onto value heads (if asked); make doc index/valid."""
+def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state, *, repeat_keys=True, cast_v=True):
+    """Validate shapes, cast to float32 (v only if `cast_v`), repeat key heads onto value heads (if asked);
+    make doc index/valid."""
     if q.ndim != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, S, Hk, Dk], got q {q.shape} and k {k.shape}")
     B, S, Hk, Dk = q.shape
@@ -52,7 +53,8 @@ def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state, *, repeat_k
         raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {segment_ids.shape}")
 
     f32 = jnp.float32
-    q, k, v, g, beta = (x.astype(f32) for x in (q, k, v, g, beta))
+    q, k, g, beta = (x.astype(f32) for x in (q, k, g, beta))
+    v = v.astype(f32) if cast_v else v
     if repeat_keys and Hv != Hk:
         q = jnp.repeat(q, Hv // Hk, axis=2)  # [B, S, Hv, Dk]
         k = jnp.repeat(k, Hv // Hk, axis=2)
@@ -141,12 +143,17 @@ def chunked_gated_delta_rule(
                                 segment_ids=segment_ids, initial_state=initial_state, chunk_size=chunk_size,
                                 tile=tile)
     prec = resolve_gdn_precision(precision)
+    L = chunk_size
+    scan = chunk_scan_for(chunk_scan, q.shape[-1], v.shape[-1], L)
+    # The end-to-end Pallas rule reads v in its own dtype (the compute dtype's bytes, the same float32
+    # values in registers) and returns its gradient in it, where a float32 cast would be two more passes.
+    pallas_rule = scan == "pallas" and (jax.default_backend() != "gpu" or local_kernel_fits(q.shape[-1],
+                                                                                           v.shape[-1], L))
     q, k, v, g, beta, valid, doc, state = _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state,
-                                                             repeat_keys=False)
+                                                             repeat_keys=False, cast_v=not pallas_rule)
     B, S, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     G = Hv // Hk
-    L = chunk_size
     pad = (-S) % L
     n = (S + pad) // L
 
@@ -176,10 +183,9 @@ def chunked_gated_delta_rule(
     def value_heads(x):  # [B, n, Hk, G, ...] -> [B, n, Hv, ...]
         return x.reshape(B, n, Hv, *x.shape[4:])
 
-    scan = chunk_scan_for(chunk_scan, Dk, Dv, L)
     key = jnp.where(valid, doc, -1)  # [B, n, L]: two tokens interact iff their keys are equal and >= 0
     chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
-    if scan == "pallas" and (jax.default_backend() != "gpu" or local_kernel_fits(Dk, Dv, L)):
+    if pallas_rule:
         out, state = pallas_chunked_rule(q[:, :, :, 0], k[:, :, :, 0],
                                          *(value_heads(x) for x in (v, cum, beta, read, write)), key,
                                          value_heads(chunk_decay), state, prec)  # out [B, n, Hv, L, Dv]
