@@ -1,5 +1,6 @@
 """Chunked gated delta rule == per-token recurrence == the transformers reference in float64; documents reset."""
 
+import functools
 import re
 
 import jax
@@ -158,14 +159,16 @@ def test_pallas_rule_stores_bf16_operands_without_changing_a_result():
     measured 0 here; 1e-6 of each result's largest entry allows another CPU's fusion, not u or a
     cotangent stored at bf16 (errors of 1e-3 and more)."""
     q, k, v, cum, beta, read, write, doc, decay, state = _per_chunk_inputs(0)
-    weights = [np.random.default_rng(1).normal(size=s).astype(np.float32) for s in (v.shape, state.shape)]
+    b, n, hv, L, dv = v.shape
+    weights = [np.random.default_rng(1).normal(size=s).astype(np.float32) for s in ((b, n * L, hv, dv), state.shape)]
 
     def end_to_end(q, k, v, cum, beta, read, write, decay, state):
         return pallas_chunked_rule(q, k, v, cum, beta, read, write, doc, decay, state, BF16_OPERANDS)
 
     def two_vjps(q, k, v, cum, beta, read, write, decay, state):
         u, w, intra, q_read, k_write = pallas_chunk_local(q, k, v, cum, beta, read, write, doc, BF16_OPERANDS)
-        return pallas_chunk_states(u, w, q_read, k_write, intra, decay, state, BF16_OPERANDS)
+        out, final = pallas_chunk_states(u, w, q_read, k_write, intra, decay, state, BF16_OPERANDS)
+        return jnp.transpose(out, (0, 1, 3, 2, 4)).reshape(b, n * L, hv, dv), final  # token-major, as the rule
 
     args = (q, k, v, cum, beta, read, write, decay, state)
     results = {}
@@ -213,6 +216,37 @@ def test_pallas_rule_reads_bf16_values_as_they_are():
     local = [e for e in _equations(jax.make_jaxpr(grad)(q, k, v16, g, beta).jaxpr)
              if e.primitive.name == "pallas_call" and e.params["name"].startswith("gdn_chunk_local")]
     assert {str(e.invars[2].aval.dtype) for e in local} == {"bfloat16"}  # v, forward and backward
+
+
+def test_pallas_rule_writes_its_output_in_the_compute_dtype():
+    """out_dtype=bfloat16: the output kernel rounds the float32 sums itself, token-major, and the backward
+    reads the bfloat16 cotangent: the same output and gradients as the float32 output cast afterwards
+    (one bfloat16 step of the largest entry, 2**-8, for a last float32 bit rounding the other way;
+    gradients measured equal, 1e-6 allows another CPU's fusion)."""
+    S, chunk_size = 40, 16
+    q, k, v, g, beta, state = _inputs(S, seed=5)
+    q = q * DK**-0.5
+    seg = np.ones((B, S), np.int32)
+    seg[:, 21:] = 2
+    seg[:, -3:] = 0
+    weights = np.random.default_rng(6).normal(size=(B, S, HV, DV)).astype(np.float32)
+
+    def loss(q, k, v, g, beta, out_dtype):
+        out, final = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=state,
+                                              chunk_size=chunk_size, chunk_scan="pallas", out_dtype=out_dtype)
+        out = out.astype(jnp.bfloat16)  # a no-op for out_dtype bf16
+        return jnp.sum(out.astype(jnp.float32) * weights) + jnp.sum(final), out
+
+    results = {}
+    for dtype in (jnp.bfloat16, jnp.float32):
+        results[dtype] = jax.jit(jax.grad(functools.partial(loss, out_dtype=dtype), range(5), has_aux=True))(
+            q, k, v, g, beta)
+    (grads16, out16), (grads32, out32) = results[jnp.bfloat16], results[jnp.float32]
+    want = np.asarray(out32.astype(jnp.float32), np.float64)
+    assert np.abs(np.asarray(out16.astype(jnp.float32), np.float64) - want).max() <= 2**-8 * np.abs(want).max()
+    for got, want in zip(grads16, grads32):
+        want = np.asarray(want, np.float64)
+        assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-6 * np.abs(want).max()
 
 
 def _equations(jaxpr):

@@ -45,6 +45,15 @@ def _specs(L: int, Dk: int, Dv: int):
     return chunk, state
 
 
+def _output_layout(B: int, n: int, H: int, L: int, Dv: int, token_major: bool
+                   ) -> tuple[tuple[int, ...], pl.BlockSpec]:
+    """The output's (and its cotangent's) shape and block spec: chunk-major [B, n, H, L, Dv], or with
+    `token_major` [B, n L, H, Dv], the layout the rest of the layer uses (no transposition after)."""
+    if token_major:
+        return (B, n * L, H, Dv), pl.BlockSpec((None, L, None, Dv), lambda b, c, h: (b, c, h, 0))
+    return (B, n, H, L, Dv), pl.BlockSpec((None, None, None, L, Dv), lambda b, c, h: (b, c, h, 0, 0))
+
+
 def _read_halved(prec, *tiles):
     """The matmul-only operands as bfloat16 under bf16 precision (the kernels round them anyway)."""
     return tuple(x.astype(jnp.bfloat16) for x in tiles) if bf16_operands(prec) else tiles
@@ -58,8 +67,11 @@ def chunk_outputs(
     states: jax.Array,  # [B, n + 1, H, Dk, Dv] float32: the state entering each chunk, the final one last
     prec,
     interpret: bool,
-) -> jax.Array:  # out [B, n, H, L, Dv] float32
-    """out_c = q_c S_c + intra_c (u_c - w_c S_c) for every chunk c (no VJP: `chunk_outputs_backward`)."""
+    out_dtype: jnp.dtype = jnp.float32,
+    token_major: bool = False,
+) -> jax.Array:  # out [B, n, H, L, Dv] (token_major: [B, n L, H, Dv]) in out_dtype
+    """out_c = q_c S_c + intra_c (u_c - w_c S_c) for every chunk c (no VJP: `chunk_outputs_backward`),
+    summed in float32 and written as `out_dtype`."""
     B, n, H, L, Dk = w.shape
     w, q, intra = _read_halved(prec, w, q, intra)
     Dv = u.shape[-1]
@@ -72,14 +84,15 @@ def chunk_outputs(
             cols = pl.ds(j * bv, bv)
             s = s_ref[:, cols]  # [Dk, bv]
             v = u_ref[:, cols] - dot(w_c, s, ROWS_BY_COLS)  # [L, bv]
-            out_ref[:, cols] = dot(q_c, s, ROWS_BY_COLS) + dot(intra_c, v, ROWS_BY_COLS)
+            out_ref[:, cols] = (dot(q_c, s, ROWS_BY_COLS) + dot(intra_c, v, ROWS_BY_COLS)).astype(out_dtype)
 
     chunk, state = _specs(L, Dk, Dv)
+    out_shape, out_spec = _output_layout(B, n, H, L, Dv, token_major)
     return pl.pallas_call(
         kernel, grid=(B, n, H),
         in_specs=[chunk(Dv), chunk(Dk), chunk(Dk), chunk(L), state],
-        out_specs=chunk(Dv),
-        out_shape=jax.ShapeDtypeStruct((B, n, H, L, Dv), jnp.float32),
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct(out_shape, out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret, name="gdn_chunk_outputs",
     )(u, w, q, intra, states)
@@ -87,11 +100,12 @@ def chunk_outputs(
 
 def chunk_outputs_backward(
     u: jax.Array, w: jax.Array, q: jax.Array, intra: jax.Array, states: jax.Array,  # as `chunk_outputs`
-    d_out: jax.Array,  # [B, n, H, L, Dv]
+    d_out: jax.Array,  # [B, n, H, L, Dv] (token_major: [B, n L, H, Dv]), any float dtype
     d_final: jax.Array,  # [B, H, Dk, Dv]: the cotangent of the final state, states[:, -1]
     prec,
     interpret: bool,
-) -> tuple[jax.Array, ...]:  # du, dw, dq, dintra, d_states (shapes of the inputs)
+    token_major: bool = False,
+) -> tuple[jax.Array, ...]:  # du, dw, dq, dintra, d_states (shapes of the inputs), float32
     """The gradients of `chunk_outputs`' inputs (v recomputed: one tile product per column block)."""
     B, n, H, L, Dk = w.shape
     Dv = u.shape[-1]
@@ -106,7 +120,7 @@ def chunk_outputs_backward(
         dintra = jnp.zeros((L, L), jnp.float32)
         for j in range(Dv // bv):  # dw, dq and dintra sum over the state's column blocks
             cols = pl.ds(j * bv, bv)
-            s, o = s_ref[:, cols], o_ref[:, cols]  # [Dk, bv], [L, bv]
+            s, o = s_ref[:, cols], o_ref[:, cols].astype(jnp.float32)  # [Dk, bv], [L, bv]
             v = u_ref[:, cols] - dot(w_c, s, ROWS_BY_COLS)
             dv = dot(intra_c, o, ROWS_BY_ROWS)  # [L, bv]
             du_ref[:, cols] = dv
@@ -119,10 +133,11 @@ def chunk_outputs_backward(
         dintra_ref[...] = dintra
 
     chunk, state = _specs(L, Dk, Dv)
+    _, d_out_spec = _output_layout(B, n, H, L, Dv, token_major)
     f32 = jnp.float32
     du, dw, dq, dintra, d_states = pl.pallas_call(
         kernel, grid=(B, n, H),
-        in_specs=[chunk(Dv), chunk(Dk), chunk(Dk), chunk(L), state, chunk(Dv)],
+        in_specs=[chunk(Dv), chunk(Dk), chunk(Dk), chunk(L), state, d_out_spec],
         out_specs=[chunk(Dv), chunk(Dk), chunk(Dk), chunk(L), state],
         out_shape=[jax.ShapeDtypeStruct(u.shape, f32), jax.ShapeDtypeStruct(w.shape, f32),
                    jax.ShapeDtypeStruct(q.shape, f32), jax.ShapeDtypeStruct(intra.shape, f32),

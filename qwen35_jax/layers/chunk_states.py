@@ -214,21 +214,24 @@ def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Ar
 
 
 def scan_forward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array, decay: jax.Array,
-                 state: jax.Array, prec: GdnPrecision, interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """The Pallas scan's forward kernels (no VJP; shapes as `sequential_chunk_states`) -> out, and the
-    states [B, n + 1, H, Dk, Dv] float32 named CHUNK_STATES_NAME: a remat policy that saves the name
-    keeps the recurrence kernel out of the recomputed forward (a name on a custom_vjp's output alone
-    does not reach its residuals). w, q, k and intra may be bfloat16 under bf16 precision."""
+                 state: jax.Array, prec: GdnPrecision, interpret: bool, out_dtype: jnp.dtype = jnp.float32,
+                 token_major: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The Pallas scan's forward kernels (no VJP; shapes as `sequential_chunk_states`) -> out (in
+    `out_dtype`, [B, n L, H, Dv] with `token_major`), and the states [B, n + 1, H, Dk, Dv] float32
+    named CHUNK_STATES_NAME: a remat policy that saves the name keeps the recurrence kernel out of the
+    recomputed forward (a name on a custom_vjp's output alone does not reach its residuals). w, q, k
+    and intra may be bfloat16 under bf16 precision."""
     states = checkpoint_name(entering_states(u, w, k, decay, state, prec, interpret), CHUNK_STATES_NAME)
-    return chunk_outputs(u, w, q, intra, states, prec, interpret), states
+    return chunk_outputs(u, w, q, intra, states, prec, interpret, out_dtype, token_major), states
 
 
 def scan_backward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array, decay: jax.Array,
-                  states: jax.Array, d_out: jax.Array, d_final: jax.Array, prec: GdnPrecision, interpret: bool
-                  ) -> tuple[jax.Array, ...]:  # du, dw, dq, dk, dintra, d_decay, d_state: float32
-    """The Pallas scan's backward kernels from `scan_forward`'s inputs and states and the cotangents of
-    out and of the final state."""
-    du, dw, dq, dintra, d_states = chunk_outputs_backward(u, w, q, intra, states, d_out, d_final, prec, interpret)
+                  states: jax.Array, d_out: jax.Array, d_final: jax.Array, prec: GdnPrecision, interpret: bool,
+                  token_major: bool = False) -> tuple[jax.Array, ...]:  # du, dw, dq, dk, dintra, d_decay, d_state
+    """The Pallas scan's backward kernels (float32 gradients) from `scan_forward`'s inputs and states and
+    the cotangents of out (in its layout) and of the final state."""
+    du, dw, dq, dintra, d_states = chunk_outputs_backward(u, w, q, intra, states, d_out, d_final, prec, interpret,
+                                                          token_major)
     # u and w feed both kernels: the chunk-gradient kernel adds the output kernel's share in registers
     du, dw, dk, d_decay, d_state = entering_states_backward(u, w, k, decay, states, d_states, prec, interpret,
                                                             du_add=du, dw_add=dw)

@@ -10,6 +10,10 @@ u (it is added to, not only multiplied), T, the states and every gradient stay f
 
 Backward: the output kernel's backward, the reverse recurrence and chunk-gradient kernel, then the
 chunk-local backward kernel, each fed the float32 cotangents of the one before.
+
+The output leaves token-major ([B, n L, H, Dv], the layout of the layer around it) in the compute
+dtype the layer continues in, written so by the output kernel: no transposition or cast pass after
+it, none for its cotangent before the backward.
 """
 
 from __future__ import annotations
@@ -24,25 +28,26 @@ from qwen35_jax.layers.chunk_states import scan_backward, scan_forward
 from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11))
-def _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, interpret):
-    return _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
+def _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret):
+    return _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret)[0]
 
 
-def _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, interpret):
+def _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret):
     operand_dtype = jnp.bfloat16 if bf16_operands(prec) else jnp.float32
     u, w, intra, q_read, k_write, t = chunk_local_forward(q, k, v, cum, beta, read, write, doc, prec, interpret,
                                                           operand_dtype)
-    out, states = scan_forward(u, w, q_read, k_write, intra, decay, state, prec, interpret)
+    out, states = scan_forward(u, w, q_read, k_write, intra, decay, state, prec, interpret, out_dtype,
+                               token_major=True)
     residuals = (q, k, v, cum, beta, read, write, doc, t, u, w, q_read, k_write, intra, decay, states)
     return (out, states[:, -1]), residuals
 
 
-def _rule_bwd(prec, interpret, residuals, cotangents):
+def _rule_bwd(prec, out_dtype, interpret, residuals, cotangents):
     q, k, v, cum, beta, read, write, doc, t, u, w, q_read, k_write, intra, decay, states = residuals
     d_out, d_final = cotangents
     du, dw, dq_read, dk_write, dintra, d_decay, d_state = scan_backward(
-        u, w, q_read, k_write, intra, decay, states, d_out, d_final, prec, interpret)
+        u, w, q_read, k_write, intra, decay, states, d_out, d_final, prec, interpret, token_major=True)
     grads = chunk_local_backward(q, k, v, cum, beta, read, write, doc, t, du, dw, dintra, dq_read, dk_write,
                                  prec, interpret)
     return (*grads[:7], None, d_decay, d_state)
@@ -64,12 +69,14 @@ def pallas_chunked_rule(
     state: jax.Array,  # [B, Hv, Dk, Dv] float32: the state entering the first chunk
     prec: GdnPrecision,
     *,
+    out_dtype: jnp.dtype = jnp.float32,
     interpret: bool | None = None,
-) -> tuple[jax.Array, jax.Array]:  # out [B, n, Hv, L, Dv], final state [B, Hv, Dk, Dv]; float32
+) -> tuple[jax.Array, jax.Array]:  # out [B, n L, Hv, Dv] in out_dtype, final state [B, Hv, Dk, Dv] float32
     """The chunked delta rule from its per-chunk inputs (`delta_rule.chunked_gated_delta_rule` makes
-    them): `chunk_local_pallas.pallas_chunk_local` then `chunk_states.pallas_chunk_states`, as one VJP.
-    `interpret`: None runs the Triton kernels on a GPU and interprets them elsewhere; False builds
-    them for Triton anywhere."""
+    them): `chunk_local_pallas.pallas_chunk_local` then `chunk_states.pallas_chunk_states`, as one VJP,
+    the output written token-major (the layer's own layout) and rounded to `out_dtype` by the output
+    kernel (its cotangent read in that dtype). `interpret`: None runs the Triton kernels on a GPU and
+    interprets them elsewhere; False builds them for Triton anywhere."""
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, interpret)
+    return _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, jnp.dtype(out_dtype), interpret)

@@ -122,7 +122,8 @@ def chunked_gated_delta_rule(
     chunk_size: int = 64,
     precision: str | None = None,
     chunk_scan: str | None = None,
-) -> tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] float32, [B, Hv, Dk, Dv] float32
+    out_dtype: jnp.dtype = jnp.float32,
+) -> tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] out_dtype, [B, Hv, Dk, Dv] float32
     """Chunked UT/WY form: intra-chunk work as batched matmuls, then the state carried over chunks by
     `chunk_scan` (see `chunk_states.py`; None: the `gdn_chunk_scan` context, "auto" by default); with
     the "pallas" scan all of it Pallas kernels under one VJP (`chunked_rule_pallas.py`).
@@ -132,13 +133,14 @@ def chunked_gated_delta_rule(
     Key heads are not repeated: the two Gram matrices (q k^T, k k^T) are formed once per key head and
     broadcast over its G = Hv / Hk value heads. `precision` (`gdn_matmul.GDN_PRECISIONS`; None:
     the `gdn_precision` context) is that of the matmuls with a head-dim contraction; the triangular
-    inverse is always float32 at HIGHEST.
+    inverse is always float32 at HIGHEST. The output is computed in float32 and returned as `out_dtype`.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     tile = delta_rule_tile(chunk_size)  # long sequences: tile by tile, one tile's chunks in memory at a time
     if tile is not None and q.ndim == 4 and q.shape[1] > tile:
-        rule = functools.partial(chunked_gated_delta_rule, precision=precision, chunk_scan=chunk_scan)
+        rule = functools.partial(chunked_gated_delta_rule, precision=precision, chunk_scan=chunk_scan,
+                                 out_dtype=out_dtype)
         return tiled_delta_rule(rule, q, k, v, g, beta,
                                 segment_ids=segment_ids, initial_state=initial_state, chunk_size=chunk_size,
                                 tile=tile)
@@ -188,15 +190,15 @@ def chunked_gated_delta_rule(
     if pallas_rule:
         out, state = pallas_chunked_rule(q[:, :, :, 0], k[:, :, :, 0],
                                          *(value_heads(x) for x in (v, cum, beta, read, write)), key,
-                                         value_heads(chunk_decay), state, prec)  # out [B, n, Hv, L, Dv]
-    else:
-        u, w, intra = xla_chunk_local(q, k, v, cum, beta, read, key, prec)
-        q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
-        k_write = k * write[..., None]
-        out, state = CHUNK_STATES[scan](*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)),
-                                        state, prec)  # out [B, n, Hv, L, Dv]
+                                         value_heads(chunk_decay), state, prec, out_dtype=out_dtype)
+        return out[:, :S], state  # [B, S, Hv, Dv]
+    u, w, intra = xla_chunk_local(q, k, v, cum, beta, read, key, prec)
+    q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
+    k_write = k * write[..., None]
+    out, state = CHUNK_STATES[scan](*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)),
+                                    state, prec)  # out [B, n, Hv, L, Dv]
     out = jnp.transpose(out, (0, 1, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
-    return out, state
+    return out.astype(out_dtype), state
 
 
 def xla_chunk_local(

@@ -44,8 +44,8 @@ def gdn_segment(
         dtype = q.dtype
         q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
         out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids,
-                                              initial_state=initial_state, chunk_size=chunk_size)
-        out = checkpoint_name(out.astype(dtype), RULE_OUTPUT_NAME)  # [B, T, Hv, Dv]
+                                              initial_state=initial_state, chunk_size=chunk_size, out_dtype=dtype)
+        out = checkpoint_name(out, RULE_OUTPUT_NAME)  # [B, T, Hv, Dv]
         return gated_rms_norm(out, z, norm_weight, eps), state
 
     return apply_gdn_remat(segment)(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight,
