@@ -8,6 +8,7 @@ import pytest
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.moe import grouped_experts, route
 from qwen35_jax.layers.norms import gated_rms_norm, rms_norm
 from qwen35_jax.layers.rope import mrope_axis_of_frequency, rope_cos_sin
@@ -181,3 +182,19 @@ def test_query_blocked_attention_equals_one_block(s, block_q):
     g_blocked = jax.grad(loss(blocked), argnums=(0, 1, 2))(q, k, v)
     for a, b in zip(g_blocked, g_full):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_linear_parts_equal_the_fused_projection_sliced():
+    # `Linear.parts` (one matmul per output block, as the GDN layer takes q, k and v) against slicing the
+    # fused projection's output: the same dot per column, so equal up to the matmul's own summation
+    # order; in bfloat16 with a float32 weight, as the model computes. Sizes that do not split the
+    # outputs are refused.
+    lin = Linear(32, 24, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 32)), jnp.bfloat16)
+    fused = np.asarray(lin(x), np.float32)
+    parts = lin.parts(x, (8, 4, 12))
+    assert [p.shape for p in parts] == [(2, 5, 8), (2, 5, 4), (2, 5, 12)] and parts[0].dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.concatenate([np.asarray(p, np.float32) for p in parts], -1), fused,
+                               rtol=2**-7, atol=1e-6)
+    with pytest.raises(ValueError, match="must split the 24 outputs"):
+        lin.parts(x, (8, 8))

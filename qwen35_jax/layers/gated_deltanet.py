@@ -131,10 +131,8 @@ class GatedDeltaNet(nnx.Module):
             raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {segment_ids.shape}")
         x = x.astype(jnp.dtype(self.config.dtype))
 
-        qkv = self.in_proj_qkv(x)  # [B, S, C]
-        q = qkv[..., : Hk * Dk].reshape(B, S, Hk, Dk)
-        k = qkv[..., Hk * Dk : 2 * Hk * Dk].reshape(B, S, Hk, Dk)
-        v = qkv[..., 2 * Hk * Dk :].reshape(B, S, Hv, Dv)
+        q, k, v = self.in_proj_qkv.parts(x, (Hk * Dk, Hk * Dk, Hv * Dv))  # [B, S, .] each
+        q, k, v = q.reshape(B, S, Hk, Dk), k.reshape(B, S, Hk, Dk), v.reshape(B, S, Hv, Dv)
         z = self.in_proj_z(x).reshape(B, S, Hv, Dv)
         b = self.in_proj_b(x)  # [B, S, Hv]
         a = self.in_proj_a(x)  # [B, S, Hv]

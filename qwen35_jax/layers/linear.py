@@ -19,3 +19,20 @@ class Linear(nnx.Linear):
     def __call__(self, x: jax.Array) -> jax.Array:  # [..., in] -> [..., out]
         y = super().__call__(x.reshape(-1, x.shape[-1]))  # [tokens, out]
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def parts(self, x: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:  # [..., in] -> [..., size] each
+        """The projection's consecutive output column blocks of `sizes`, one matmul each with the
+        weight's columns: slicing a fused projection's output instead copies every block out of it
+        (and its backward concatenates their gradients into one)."""
+        if sum(sizes) != self.out_features or self.bias is not None:
+            raise ValueError(f"parts {sizes} must split the {self.out_features} outputs of a projection "
+                             f"without bias")
+        tokens = x.reshape(-1, x.shape[-1])
+        kernel = self.kernel[...]
+        outs, start = [], 0
+        for size in sizes:
+            xt, w = self.promote_dtype((tokens, kernel[:, start:start + size]), dtype=self.dtype)
+            y = self.dot_general(xt, w, (((1,), (0,)), ((), ())), precision=self.precision)  # [tokens, size]
+            outs.append(y.reshape(*x.shape[:-1], size))
+            start += size
+        return tuple(outs)
