@@ -187,12 +187,17 @@ def test_states_remat_keeps_inputs_chunk_states_and_rule_output_only():
     def loss(*a):
         return jnp.sum(gdn_core(*a, jnp.ones((B_, S), jnp.int32), eps=1e-6, chunk_size=16))
 
-    kept = {}
+    kept, checkpoints = {}, {}
     for remat in ("none", "states"):
         with gdn_chunk_scan("pallas"), gdn_remat(remat):
             assert resolve_gdn_remat() == remat
             _, backward = jax.vjp(loss, *args)
             kept[remat] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
+            # a new function each time: make_jaxpr caches traces by function, and the setting is read when traced
+            checkpoints[remat] = _count_checkpoints(jax.make_jaxpr(lambda *a: loss(*a))(*args).jaxpr)
+    # "none": the conv of q, k and v checkpointed each; "states": the mixer's one checkpoint, none inside it
+    # (a nested one would run the conv a third time in the backward)
+    assert checkpoints == {"none": 3, "states": 1}, checkpoints
     # the compiled backward (after XLA removes what nothing reads) runs the backward kernels, never the
     # forward state or output kernel: their ops keep their kernel's name in the metadata
     text = jax.jit(backward).lower(1.0).compile().as_text()
@@ -202,3 +207,15 @@ def test_states_remat_keeps_inputs_chunk_states_and_rule_output_only():
     with gdn_chunk_scan("pallas"):
         assert resolve_gdn_remat() == "states"  # "auto"
     assert resolve_gdn_remat() == "none"  # "auto" with the CPU's sequential scan
+
+
+def _count_checkpoints(jaxpr) -> int:
+    """jax.checkpoint calls in `jaxpr`, nested ones included."""
+    count = 0
+    for eqn in jaxpr.eqns:
+        count += eqn.primitive.name in ("checkpoint", "remat2")  # the name differs across jax releases
+        for param in eqn.params.values():
+            inner = getattr(param, "jaxpr", param)
+            if hasattr(inner, "eqns"):
+                count += _count_checkpoints(inner)
+    return count

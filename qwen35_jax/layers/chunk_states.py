@@ -70,6 +70,8 @@ _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", de
 GDN_REMATS = ("auto", "none", "states")
 RULE_OUTPUT_NAME = "gdn_rule_output"
 _remat: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_remat", default="auto")
+_inside_recomputed_mixer: contextvars.ContextVar[bool] = contextvars.ContextVar("gdn_inside_recomputed_mixer",
+                                                                                default=False)
 
 
 def gdn_remat(name: str | None) -> contextlib.AbstractContextManager[None]:
@@ -91,9 +93,19 @@ def apply_gdn_remat(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` (a GDN mixer) as `gdn_remat` says: for "states" checkpointed so that only its inputs, the
     named chunk states and the named rule output are kept for the backward, else unchanged."""
     if resolve_gdn_remat() == "states":
+        def traced_as_recomputed(*args: Any) -> Any:
+            with scoped(_inside_recomputed_mixer, True):
+                return fn(*args)
+
         policy = jax.checkpoint_policies.save_only_these_names(CHUNK_STATES_NAME, RULE_OUTPUT_NAME)
-        return jax.checkpoint(fn, policy=policy)
+        return jax.checkpoint(traced_as_recomputed, policy=policy)
     return fn
+
+
+def inside_recomputed_mixer() -> bool:
+    """Whether the code being traced is inside a mixer that `apply_gdn_remat` recomputes in the backward
+    (its parts then need no checkpoint of their own: that would evaluate them a third time)."""
+    return _inside_recomputed_mixer.get()
 
 
 def gdn_chunk_scan(name: str | None) -> contextlib.AbstractContextManager[None]:

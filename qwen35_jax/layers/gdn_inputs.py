@@ -11,11 +11,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from qwen35_jax.layers.chunk_states import inside_recomputed_mixer
 from qwen35_jax.layers.delta_rule import document_index
 from qwen35_jax.layers.stored_cotangent import stored_cotangent
 
 
-@jax.checkpoint
 def causal_conv1d_silu(
     x: jax.Array,  # [B, S, H, D]
     kernel: jax.Array,  # [Kc, H, D]; kernel[-1] multiplies the current token
@@ -24,7 +24,15 @@ def causal_conv1d_silu(
     """Depthwise causal conv1d + SiLU whose window never reaches into the previous document.
 
     Accumulates in float32; one shifted slice of x per tap (Kc is 4 in every Qwen3.5 model).
+    Checkpointed (its shifted copies and masks would keep some 200 KB a token and layer for the
+    backward) unless the whole mixer around it is recomputed in the backward already
+    (`chunk_states.inside_recomputed_mixer`), where its own checkpoint would run it a third time.
     """
+    conv = _conv1d_silu if inside_recomputed_mixer() else jax.checkpoint(_conv1d_silu)
+    return conv(x, kernel, doc)
+
+
+def _conv1d_silu(x: jax.Array, kernel: jax.Array, doc: jax.Array | None) -> jax.Array:  # as causal_conv1d_silu
     Kc = kernel.shape[0]
     S = x.shape[1]
     xf = x.astype(jnp.float32)
