@@ -497,11 +497,13 @@ def test_pallas_kernel_blocks_split_the_state_columns_alike():
     decay = jnp.asarray(rng.uniform(0.5, 1.0, size=(b, n, h)).astype(np.float32))
     state = jnp.asarray(rng.normal(size=(b, h, dk, dv)).astype(np.float32))
     hi = jax.lax.Precision.HIGHEST
-    want = entering_states(u, w, k, decay, state, hi, interpret=True)
+    want, want_final = entering_states(u, w, k, decay, state, hi, interpret=True)
+    np.testing.assert_array_equal(want_final, want[:, -1])  # float32 states: the final one is the last
     for blocks in ((16, 4), (32, 8), (128, 2)):
         with gdn_kernel_blocks(*blocks):
-            got = entering_states(u, w, k, decay, state, hi, interpret=True)
+            got, final = entering_states(u, w, k, decay, state, hi, interpret=True)
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+            np.testing.assert_array_equal(final, got[:, -1])
     with pytest.raises(ValueError, match="block_v must be a power of two >= 16"):
         with gdn_kernel_blocks(24, 4):
             pass

@@ -227,14 +227,15 @@ def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Ar
 
 def scan_forward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array, decay: jax.Array,
                  state: jax.Array, prec: GdnPrecision, interpret: bool, out_dtype: jnp.dtype = jnp.float32,
-                 token_major: bool = False) -> tuple[jax.Array, jax.Array]:
+                 token_major: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The Pallas scan's forward kernels (no VJP; shapes as `sequential_chunk_states`) -> out (in
-    `out_dtype`, [B, n L, H, Dv] with `token_major`), and the states [B, n + 1, H, Dk, Dv] float32
-    named CHUNK_STATES_NAME: a remat policy that saves the name keeps the recurrence kernel out of the
+    `out_dtype`, [B, n L, H, Dv] with `token_major`), the states [B, n + 1, H, Dk, Dv] (float32;
+    bfloat16 under bf16 precision) named CHUNK_STATES_NAME, and the final state in float32: a remat policy that saves the name keeps the recurrence kernel out of the
     recomputed forward (a name on a custom_vjp's output alone does not reach its residuals). w, q, k
     and intra may be bfloat16 under bf16 precision."""
-    states = checkpoint_name(entering_states(u, w, k, decay, state, prec, interpret), CHUNK_STATES_NAME)
-    return chunk_outputs(u, w, q, intra, states, prec, interpret, out_dtype, token_major), states
+    states, final = entering_states(u, w, k, decay, state, prec, interpret)
+    states = checkpoint_name(states, CHUNK_STATES_NAME)
+    return chunk_outputs(u, w, q, intra, states, prec, interpret, out_dtype, token_major), states, final
 
 
 def scan_backward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array, decay: jax.Array,
@@ -252,13 +253,13 @@ def scan_backward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _pallas_scan(u, w, q, k, intra, decay, state, prec, interpret):
-    out, states = scan_forward(u, w, q, k, intra, decay, state, prec, interpret)
-    return out, states[:, -1]
+    out, _, final = scan_forward(u, w, q, k, intra, decay, state, prec, interpret)
+    return out, final
 
 
 def _pallas_scan_fwd(u, w, q, k, intra, decay, state, prec, interpret):
-    out, states = scan_forward(u, w, q, k, intra, decay, state, prec, interpret)
-    return (out, states[:, -1]), (u, w, q, k, intra, decay, states)
+    out, states, final = scan_forward(u, w, q, k, intra, decay, state, prec, interpret)
+    return (out, final), (u, w, q, k, intra, decay, states)
 
 
 def _pallas_scan_bwd(prec, interpret, res, cotangents):

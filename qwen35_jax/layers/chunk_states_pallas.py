@@ -77,12 +77,13 @@ def kernel_fits(dk: int, dv: int, chunk: int) -> bool:
     return all(x >= 16 and x & (x - 1) == 0 for x in (dk, bv, chunk)) and dv % bv == 0
 
 
-def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_ref, *, n: int, reverse: bool,
-                       prec, interpret: bool):
+def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_ref, last_ref, *, n: int,
+                       reverse: bool, prec, interpret: bool):
     # p_ref, q_ref [n, L, Dk]; b_ref [n, L, BV] or None; decay_ref [n]; first_ref [Dk, BV];
-    # add_ref [n + 1, Dk, BV] or None; out_ref [n + 1, Dk, BV]
+    # add_ref [n + 1, Dk, BV] or None; out_ref [n + 1, Dk, BV] (float32, or bf16 under bf16 precision);
+    # last_ref [Dk, BV] float32: the last x computed
     x = first_ref[...]
-    out_ref[n if reverse else 0] = x
+    out_ref[n if reverse else 0] = x.astype(out_ref.dtype)
 
     def step(i, x):  # x [Dk, BV] float32
         c = n - 1 - i if reverse else i
@@ -92,10 +93,10 @@ def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_r
         x = decay_ref[c] * x + tile_dot(p_ref[c], rhs, ROWS_BY_ROWS, prec, interpret)
         if add_ref is not None:
             x = x + add_ref[c]
-        out_ref[c if reverse else c + 1] = x
+        out_ref[c if reverse else c + 1] = x.astype(out_ref.dtype)
         return x
 
-    lax.fori_loop(0, n, step, x)
+    last_ref[...] = lax.fori_loop(0, n, step, x)
 
 
 def tile_dot(a: jax.Array, b: jax.Array, dims: tuple, prec: GdnPrecision, interpret: bool) -> jax.Array:
@@ -114,7 +115,10 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
     x_c = d_c x_c+1 + p_c^T (b_c - q_c x_c+1) + add_c from x_n = first.
 
     p, q [B, n, H, L, Dk]; b [B, n, H, L, Dv] or None; decay [B, n, H]; first [B, H, Dk, Dv];
-    add [B, n + 1, H, Dk, Dv] or None -> x [B, n + 1, H, Dk, Dv] float32.
+    add [B, n + 1, H, Dk, Dv] or None -> x [B, n + 1, H, Dk, Dv] and the last one computed (x_n forward,
+    x_0 reverse) [B, H, Dk, Dv] float32. Under bf16 precision every x is stored as bfloat16 (they are
+    only multiplied afterwards, but for the decay gradient's sum; the recurrence itself runs in float32
+    registers), the last one also as float32.
     """
     B, n, H, L, Dk = p.shape
     Dv = first.shape[-1]
@@ -147,12 +151,14 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
         _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, *refs, n=n, reverse=reverse,
                            prec=prec, interpret=interpret)
 
+    stored = jnp.bfloat16 if bf16_operands(prec) else jnp.float32
     return pl.pallas_call(
         kernel,
         grid=(B, H, Dv // bv),
         in_specs=in_specs,
-        out_specs=states,
-        out_shape=jax.ShapeDtypeStruct((B, n + 1, H, Dk, Dv), jnp.float32),
+        out_specs=[states, pl.BlockSpec((None, None, Dk, bv), lambda b, h, j: (b, h, 0, j))],
+        out_shape=[jax.ShapeDtypeStruct((B, n + 1, H, Dk, Dv), stored),
+                   jax.ShapeDtypeStruct((B, H, Dk, Dv), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
         interpret=interpret,
         name="gdn_chunk_states_reverse" if reverse else "gdn_chunk_states",
@@ -167,9 +173,10 @@ def entering_states(
     state: jax.Array,  # [B, H, Dk, Dv] float32
     prec: GdnPrecision,
     interpret: bool,
-) -> jax.Array:  # [B, n + 1, H, Dk, Dv] float32
-    """The forward kernel alone: every chunk's entering state, the final one last. Its VJP, with the
-    output kernel's, is `chunk_states.pallas_chunk_states`; `entering_states_backward` is its half."""
+) -> tuple[jax.Array, jax.Array]:  # states [B, n + 1, H, Dk, Dv], final state [B, H, Dk, Dv] float32
+    """The forward kernel alone: every chunk's entering state, the final one last (float32; bfloat16 under
+    bf16 precision), and the final state in float32. Its VJP, with the output kernel's, is
+    `chunk_states.pallas_chunk_states`; `entering_states_backward` is its half."""
     return _recurrence(k, w, u, decay, state, None, reverse=False, prec=prec, interpret=interpret)
 
 
@@ -187,10 +194,10 @@ def entering_states_backward(
 ) -> tuple[jax.Array, ...]:  # du, dw, dk, d_decay, d_state [B, H, Dk, Dv]
     """The gradients of `entering_states`' inputs: the reverse recurrence, then the chunk-gradient kernel."""
     # G_c for c = 0..n: the reverse map with (k, w) swapped, no b, dS_c added, from G_n = dS_n
-    grads = _recurrence(w, k, None, decay, d_states[:, -1], d_states, reverse=True, prec=prec,
-                        interpret=interpret)
+    grads, d_state = _recurrence(w, k, None, decay, d_states[:, -1], d_states, reverse=True, prec=prec,
+                                 interpret=interpret)
     du, dw, dk, d_decay = _chunk_gradients(u, w, k, states, grads, du_add, dw_add, prec=prec, interpret=interpret)
-    return du, dw, dk, d_decay, grads[:, 0]
+    return du, dw, dk, d_decay, d_state
 
 
 def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array, grads: jax.Array,
@@ -229,7 +236,7 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
             dv_ref[:, cols] = dv + du_add_ref[:, cols] if adds else dv
             dw = dw - dot(dv, s, COLS_BY_COLS)
             dk = dk + dot(v, g, COLS_BY_COLS)
-            dd = dd + jnp.sum(s * g)
+            dd = dd + jnp.sum(s.astype(jnp.float32) * g.astype(jnp.float32))
         dw_ref[...] = dw
         dk_ref[...] = dk
         dd_ref[...] = dd

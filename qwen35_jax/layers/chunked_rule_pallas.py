@@ -6,7 +6,8 @@ and make the outputs. Under one VJP what passes between them is private, so unde
 the four arrays that the later kernels only multiply (w, intra, q_read, k_write) are written as
 bfloat16, the value each multiplication would round them to anyway: the same results as float32
 storage at half its bytes, and no conversion pass between the kernels. Their cotangents stay float32.
-u (it is added to, not only multiplied), T, the states and every gradient stay float32.
+u (it is added to, not only multiplied), T and every gradient stay float32; the stored states are
+bfloat16 too (`chunk_states_pallas.py`), the final state float32.
 
 Backward: the output kernel's backward, the reverse recurrence and chunk-gradient kernel, then the
 chunk-local backward kernel, each fed the float32 cotangents of the one before.
@@ -37,10 +38,10 @@ def _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtyp
     operand_dtype = jnp.bfloat16 if bf16_operands(prec) else jnp.float32
     u, w, intra, q_read, k_write, t = chunk_local_forward(q, k, v, cum, beta, read, write, doc, prec, interpret,
                                                           operand_dtype)
-    out, states = scan_forward(u, w, q_read, k_write, intra, decay, state, prec, interpret, out_dtype,
-                               token_major=True)
+    out, states, final = scan_forward(u, w, q_read, k_write, intra, decay, state, prec, interpret, out_dtype,
+                                      token_major=True)
     residuals = (q, k, v, cum, beta, read, write, doc, t, u, w, q_read, k_write, intra, decay, states)
-    return (out, states[:, -1]), residuals
+    return (out, final), residuals
 
 
 def _rule_bwd(prec, out_dtype, interpret, residuals, cotangents):
