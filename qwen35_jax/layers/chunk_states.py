@@ -60,11 +60,11 @@ _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", de
 # - "none": no recompute; autodiff keeps every intermediate it needs, about 230 KB per token and layer
 #   at the 0.8B shapes (16 heads of 128), most of it float32 [tokens, heads, 128]-sized arrays.
 # - "states": the mixer is recomputed in the backward from its inputs, except the chunk states (named
-#   CHUNK_STATES_NAME, [B, n + 1, H, Dk, Dv] float32, 1/L of a token's state per token) and the rule's
-#   output as the gated norm reads it (RULE_OUTPUT_NAME, [B, S, H, Dv] in the compute dtype), which are
-#   kept: the backward repeats the intra-chunk part but neither the sequential part nor the output
-#   kernel (the rule's own backward does not need its output; only the norm after it does). About 4x
-#   less to keep.
+#   CHUNK_STATES_NAME, [B, n + 1, H, Dk, Dv] float32 or, under bf16 precision, bfloat16; 1/L of a
+#   token's state per token) and the rule's output as the gated norm reads it (RULE_OUTPUT_NAME,
+#   [B, S, H, Dv] in the compute dtype), which are kept: the backward repeats the intra-chunk part but
+#   neither the sequential part nor the output kernel (the rule's own backward does not need its
+#   output; only the norm after it does). About 4x less to keep.
 # - "auto": "states" with the Pallas chunk scan, "none" otherwise (the sequential scan on CPU names no
 #   states, so "states" there would rerun the whole scan).
 GDN_REMATS = ("auto", "none", "states")
@@ -230,9 +230,10 @@ def scan_forward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: 
                  token_major: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The Pallas scan's forward kernels (no VJP; shapes as `sequential_chunk_states`) -> out (in
     `out_dtype`, [B, n L, H, Dv] with `token_major`), the states [B, n + 1, H, Dk, Dv] (float32;
-    bfloat16 under bf16 precision) named CHUNK_STATES_NAME, and the final state in float32: a remat policy that saves the name keeps the recurrence kernel out of the
-    recomputed forward (a name on a custom_vjp's output alone does not reach its residuals). w, q, k
-    and intra may be bfloat16 under bf16 precision."""
+    bfloat16 under bf16 precision) named CHUNK_STATES_NAME, and the final state in float32. A remat
+    policy that saves the name keeps the recurrence kernel out of the recomputed forward (a name on a
+    custom_vjp's output alone does not reach its residuals). w, q, k and intra may be bfloat16 under
+    bf16 precision."""
     states, final = entering_states(u, w, k, decay, state, prec, interpret)
     states = checkpoint_name(states, CHUNK_STATES_NAME)
     return chunk_outputs(u, w, q, intra, states, prec, interpret, out_dtype, token_major), states, final

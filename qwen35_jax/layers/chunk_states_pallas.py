@@ -21,7 +21,8 @@ of u, w, k, d: v_c = u_c - w_c S_c, dv_c = k_c G_c+1, du_c = dv_c, dw_c = -dv_c 
 dk_c = v_c G_c+1^T, dd_c = <S_c, G_c+1>; the initial state's gradient is G_0.
 
 Everything is float32 but that under "bf16" precision the keys and w may arrive as bfloat16 (they are
-only multiplied); the matmuls run at `prec` (None: TF32 tensor cores on a GPU, HIGHEST: IEEE
+only multiplied) and the states and their gradients are stored as bfloat16 (only multiplied after,
+but for dd; the final state and G_0 leave in float32 too); the matmuls run at `prec` (None: TF32 tensor cores on a GPU, HIGHEST: IEEE
 float32, "bf16": both operands rounded to bfloat16, the keys read as bfloat16; `gdn_matmul.py`).
 Off a GPU the kernel runs interpreted (tests).
 """
