@@ -145,17 +145,17 @@ def chunked_gated_delta_rule(
                                 segment_ids=segment_ids, initial_state=initial_state, chunk_size=chunk_size,
                                 tile=tile)
     prec = resolve_gdn_precision(precision)
-    L = chunk_size
-    scan = chunk_scan_for(chunk_scan, q.shape[-1], v.shape[-1], L)
-    # The end-to-end Pallas rule reads v in its own dtype (the compute dtype's bytes, the same float32
-    # values in registers) and returns its gradient in it, where a float32 cast would be two more passes.
-    pallas_rule = scan == "pallas" and (jax.default_backend() != "gpu" or local_kernel_fits(q.shape[-1],
-                                                                                           v.shape[-1], L))
     q, k, v, g, beta, valid, doc, state = _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state,
-                                                             repeat_keys=False, cast_v=not pallas_rule)
+                                                             repeat_keys=False, cast_v=False)
     B, S, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     G = Hv // Hk
+    L = chunk_size
+    scan = chunk_scan_for(chunk_scan, Dk, Dv, L)
+    pallas_rule = scan == "pallas" and (jax.default_backend() != "gpu" or local_kernel_fits(Dk, Dv, L))
+    # The end-to-end Pallas rule reads v in its own dtype (the compute dtype's bytes, the same float32
+    # values in registers) and returns its gradient in it, where a float32 cast would be two more passes.
+    v = v if pallas_rule else v.astype(jnp.float32)
     pad = (-S) % L
     n = (S + pad) // L
 

@@ -21,9 +21,10 @@ class Linear(nnx.Linear):
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def parts(self, x: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:  # [..., in] -> [..., size] each
-        """The projection's consecutive output column blocks of `sizes`, one matmul each with the
-        weight's columns: slicing a fused projection's output instead copies every block out of it
-        (and its backward concatenates their gradients into one)."""
+        """The projection's consecutive output column blocks of `sizes`, each a matmul with the weight's
+        columns rather than a slice of the whole output. XLA may merge such dots again, but compiled
+        for an H200 the 0.8B step moved 7 GB less this way: its slices of the merged output cost half
+        the copies that slicing this projection's own output did."""
         if sum(sizes) != self.out_features or self.bias is not None:
             raise ValueError(f"parts {sizes} must split the {self.out_features} outputs of a projection "
                              f"without bias")
