@@ -30,10 +30,10 @@ from qwen35_jax.layers.chunk_states_pallas import (
     GRADIENT_KERNEL_WARPS,
     ROWS_BY_COLS,
     ROWS_BY_ROWS,
+    read_halved,
     state_columns,
     tile_dot,
 )
-from qwen35_jax.layers.gdn_matmul import bf16_operands
 
 
 def _specs(L: int, Dk: int, Dv: int):
@@ -54,11 +54,6 @@ def _output_layout(B: int, n: int, H: int, L: int, Dv: int, token_major: bool
     return (B, n, H, L, Dv), pl.BlockSpec((None, None, None, L, Dv), lambda b, c, h: (b, c, h, 0, 0))
 
 
-def _read_halved(prec, *tiles):
-    """The matmul-only operands as bfloat16 under bf16 precision (the kernels round them anyway)."""
-    return tuple(x.astype(jnp.bfloat16) for x in tiles) if bf16_operands(prec) else tiles
-
-
 def chunk_outputs(
     u: jax.Array,  # [B, n, H, L, Dv] float32
     w: jax.Array,  # [B, n, H, L, Dk] float32 (or bfloat16 under bf16 precision, as q and intra)
@@ -73,7 +68,7 @@ def chunk_outputs(
     """out_c = q_c S_c + intra_c (u_c - w_c S_c) for every chunk c (no VJP: `chunk_outputs_backward`),
     summed in float32 and written as `out_dtype`."""
     B, n, H, L, Dk = w.shape
-    w, q, intra = _read_halved(prec, w, q, intra)
+    w, q, intra = read_halved(prec, w, q, intra)
     Dv = u.shape[-1]
     bv = state_columns(Dv)
     dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
@@ -109,7 +104,7 @@ def chunk_outputs_backward(
     """The gradients of `chunk_outputs`' inputs (v recomputed: one tile product per column block)."""
     B, n, H, L, Dk = w.shape
     Dv = u.shape[-1]
-    w, q, intra = _read_halved(prec, w, q, intra)
+    w, q, intra = read_halved(prec, w, q, intra)
     bv = state_columns(Dv)
     dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
 

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, round_to_bf16
+from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, operand_dtype, round_to_bf16
 from qwen35_jax.layers.trace_setting import scoped
 
 CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.gdn_remat)
@@ -110,6 +110,12 @@ def tile_dot(a: jax.Array, b: jax.Array, dims: tuple, prec: GdnPrecision, interp
     return lax.dot_general(a, b, dims, precision=prec, preferred_element_type=jnp.float32)
 
 
+def read_halved(prec: GdnPrecision, *arrays: jax.Array) -> tuple[jax.Array, ...]:
+    """Arrays the kernels only multiply, as bfloat16 under bf16 precision (`tile_dot` would round them to
+    it anyway: half the bytes read), else as they are."""
+    return tuple(x.astype(jnp.bfloat16) for x in arrays) if bf16_operands(prec) else arrays
+
+
 def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Array, first: jax.Array,
                 add: jax.Array | None, *, reverse: bool, prec, interpret: bool) -> jax.Array:
     """Forward, x_c+1 = d_c x_c + p_c^T (b_c - q_c x_c) from x_0 = first; reverse,
@@ -123,8 +129,7 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
     """
     B, n, H, L, Dk = p.shape
     Dv = first.shape[-1]
-    if bf16_operands(prec):  # the kernel would round them anyway: read half the bytes
-        p, q = p.astype(jnp.bfloat16), q.astype(jnp.bfloat16)
+    p, q = read_halved(prec, p, q)
     block_v, num_warps = _blocks.get()
     bv = min(block_v, Dv)
     if Dv % bv:
@@ -152,7 +157,7 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
         _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, *refs, n=n, reverse=reverse,
                            prec=prec, interpret=interpret)
 
-    stored = jnp.bfloat16 if bf16_operands(prec) else jnp.float32
+    stored = operand_dtype(prec)
     return pl.pallas_call(
         kernel,
         grid=(B, H, Dv // bv),
@@ -217,8 +222,7 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
     adds = du_add is not None
     B, n, H, L, Dk = w.shape
     Dv = u.shape[-1]
-    if bf16_operands(prec):  # the kernel would round them anyway: read half the bytes
-        w, k = w.astype(jnp.bfloat16), k.astype(jnp.bfloat16)
+    w, k = read_halved(prec, w, k)
     bv = state_columns(Dv)
     dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
 

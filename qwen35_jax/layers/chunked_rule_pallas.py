@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from qwen35_jax.layers.chunk_local_pallas import chunk_local_backward, chunk_local_forward
 from qwen35_jax.layers.chunk_states import scan_backward, scan_forward
-from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands
+from qwen35_jax.layers.gdn_matmul import GdnPrecision, operand_dtype
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
@@ -35,9 +35,8 @@ def _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, i
 
 
 def _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret):
-    operand_dtype = jnp.bfloat16 if bf16_operands(prec) else jnp.float32
     u, w, intra, q_read, k_write, t = chunk_local_forward(q, k, v, cum, beta, read, write, doc, prec, interpret,
-                                                          operand_dtype)
+                                                          operand_dtype(prec))
     out, states, final = scan_forward(u, w, q_read, k_write, intra, decay, state, prec, interpret, out_dtype,
                                       token_major=True)
     residuals = (q, k, v, cum, beta, read, write, doc, t, u, w, q_read, k_write, intra, decay, states)

@@ -60,6 +60,12 @@ def bf16_operands(prec: GdnPrecision) -> bool:
     return isinstance(prec, str) and prec == BF16_OPERANDS
 
 
+def operand_dtype(prec: GdnPrecision) -> jnp.dtype:
+    """The dtype in which an array that is only ever a matmul operand at `prec` can be stored without
+    changing a product: bfloat16 under "bf16" (every product rounds it to that), else float32."""
+    return jnp.dtype(jnp.bfloat16) if bf16_operands(prec) else jnp.dtype(jnp.float32)
+
+
 def round_to_bf16(x: jax.Array) -> jax.Array:
     """x rounded to bfloat16 and held as float32: a product of two such values is exact in float32, so
     a float32 matmul of them equals a bf16 x bf16 -> float32 one (up to summation order)."""
