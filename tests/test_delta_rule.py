@@ -14,6 +14,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 )
 
 from float64_reference import torch_float64
+from jaxpr_testutil import all_equations
 from qwen35_jax.layers.chunk_local_pallas import pallas_chunk_local
 from qwen35_jax.layers.chunk_states import UNROLL_CHUNKS, gdn_chunk_scan, pallas_chunk_states, resolve_gdn_chunk_scan
 from qwen35_jax.layers.chunk_states_pallas import entering_states
@@ -180,7 +181,7 @@ def test_pallas_rule_stores_bf16_operands_without_changing_a_result():
     for got, want in zip(results["end_to_end"], results["two_vjps"]):
         want = np.asarray(want, np.float64)
         assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-6 * np.abs(want).max()
-    local = [e for e in _equations(jax.make_jaxpr(end_to_end)(*args).jaxpr)
+    local = [e for e in all_equations(jax.make_jaxpr(end_to_end)(*args).jaxpr)
              if e.primitive.name == "pallas_call" and e.params["name"] == "gdn_chunk_local"]
     assert [str(x.aval.dtype) for x in local[0].outvars] == ["float32"] + ["bfloat16"] * 4 + ["float32"]
 
@@ -213,7 +214,7 @@ def test_pallas_rule_reads_bf16_values_as_they_are():
         assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-6 * np.abs(want).max()
     dv32 = np.asarray(grads32[2], np.float64)
     assert np.abs(np.asarray(grads16[2].astype(jnp.float32), np.float64) - dv32).max() <= 2**-8 * np.abs(dv32).max()
-    local = [e for e in _equations(jax.make_jaxpr(grad)(q, k, v16, g, beta).jaxpr)
+    local = [e for e in all_equations(jax.make_jaxpr(grad)(q, k, v16, g, beta).jaxpr)
              if e.primitive.name == "pallas_call" and e.params["name"].startswith("gdn_chunk_local")]
     assert {str(e.invars[2].aval.dtype) for e in local} == {"bfloat16"}  # v, forward and backward
 
@@ -247,16 +248,6 @@ def test_pallas_rule_writes_its_output_in_the_compute_dtype():
     for got, want in zip(grads16, grads32):
         want = np.asarray(want, np.float64)
         assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-6 * np.abs(want).max()
-
-
-def _equations(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs in its equations' parameters."""
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                yield from _equations(inner)
 
 
 def test_chunk_scan_setting_per_backend_and_context():

@@ -12,6 +12,7 @@ from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from float64_reference import float64_copy, torch_float64
+from jaxpr_testutil import all_equations
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.chunk_states import gdn_chunk_scan, gdn_remat, resolve_gdn_remat
 from qwen35_jax.layers.gated_deltanet import GatedDeltaNet, gdn_core
@@ -211,11 +212,5 @@ def test_states_remat_keeps_inputs_chunk_states_and_rule_output_only():
 
 def _count_checkpoints(jaxpr) -> int:
     """jax.checkpoint calls in `jaxpr`, nested ones included."""
-    count = 0
-    for eqn in jaxpr.eqns:
-        count += eqn.primitive.name in ("checkpoint", "remat2")  # the name differs across jax releases
-        for param in eqn.params.values():
-            inner = getattr(param, "jaxpr", param)
-            if hasattr(inner, "eqns"):
-                count += _count_checkpoints(inner)
-    return count
+    # the primitive's name differs across jax releases
+    return sum(eqn.primitive.name in ("checkpoint", "remat2") for eqn in all_equations(jaxpr))

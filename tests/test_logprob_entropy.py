@@ -6,7 +6,6 @@ import functools
 import re
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -14,6 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import qwen35_kernels as qk
+from jaxpr_testutil import all_equations
 from qwen35_kernels.logprob_entropy import api, pallas, pallas_xla, reference, xla
 
 
@@ -158,16 +158,7 @@ def test_xla_backward_matmuls_take_the_input_dtype():
         return jnp.sum(g_lp * qk.linear_logprob_entropy(h, w, labels, backend="xla")[0])
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1)))(h, w)
-    dots = []
-
-    def walk(jp):
-        for eqn in jp.eqns:
-            if eqn.primitive.name == "dot_general":
-                dots.append({v.aval.dtype for v in eqn.invars})
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
+    dots = [{v.aval.dtype for v in eqn.invars} for eqn in all_equations(jaxpr) if eqn.primitive.name == "dot_general"]
     assert len(dots) >= 3 and all(d == {jnp.dtype(jnp.bfloat16)} for d in dots), dots
 
 
@@ -237,22 +228,8 @@ def test_hypothesis_shapes_pallas(T, D, V, layout, seed):
 
 def _largest_intermediate(closed_jaxpr) -> int:
     """Most elements of any value in the jaxpr, nested jaxprs (loops, custom VJPs, kernels) included."""
-    best = 0
-
-    def visit(jaxpr):
-        nonlocal best
-        for eqn in jaxpr.eqns:
-            for v in eqn.outvars:
-                best = max(best, int(np.prod(getattr(v.aval, "shape", ()) or (1,))))
-            for param in eqn.params.values():
-                for sub in param if isinstance(param, (list, tuple)) else [param]:
-                    if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                        visit(sub.jaxpr)
-                    elif isinstance(sub, jax.extend.core.Jaxpr):
-                        visit(sub)
-
-    visit(closed_jaxpr.jaxpr)
-    return best
+    return max(int(np.prod(getattr(v.aval, "shape", ()) or (1,)))
+               for eqn in all_equations(closed_jaxpr) for v in eqn.outvars)
 
 
 @pytest.mark.parametrize("variant", ["reference", "xla-small-tiles", "pallas-gpu-layout", "pallas-tpu-layout"])
