@@ -37,6 +37,7 @@ import sys
 
 from qwen35_jax.bench.train_step import CONFIGS, SETTINGS, SMALL
 from qwen35_jax.config import PRESETS, SCAN_LAYERS_FLAGS
+from qwen35_jax.train.options import CHOICES
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -56,10 +57,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--remat", default=None,
                    help="Qwen35Config.remat of our model (default: the config's, auto): true/false or a "
                         "policy name")
-    p.add_argument("--attention", choices=["auto", "xla", "pallas", "cudnn"], default="auto",
+    p.add_argument("--attention", choices=CHOICES["attention"], default="auto",
                    help="our attention kernel, as scripts/train.py's --attention (default auto: Pallas on GPU/TPU; "
                         "cudnn: GPU, bfloat16)")
-    p.add_argument("--logprob-backend", choices=["auto", "xla", "pallas", "pallas_xla"], default="auto",
+    p.add_argument("--logprob-backend", choices=[b for b in CHOICES["logprob_backend"] if b != "reference"],
+                   default="auto",
                    help="our fused log-prob backend, as scripts/train.py's (default auto: Pallas on TPU, XLA elsewhere)")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="after the timed steps, trace one more step of ours with jax.profiler into DIR")

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from qwen35_jax.config import GDN_PRECISIONS
+from qwen35_jax.train.options import CHOICES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -39,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=".npy of int document ids [B, S] for packed rows (>= 1, 0 = padding)")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="rows per forward pass (default: all rows at once)")
-    parser.add_argument("--backend", choices=["auto", "pallas", "xla", "pallas_xla", "reference"], default="auto",
+    parser.add_argument("--backend", choices=CHOICES["logprob_backend"], default="auto",
                         help="fused log-prob/entropy backend (default: auto)")
     parser.add_argument("--lm-head", choices=["gather", "vocab_parallel"], default="gather",
                         help="how the sharded lm_head is used (default: gather once)")

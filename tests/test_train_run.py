@@ -354,3 +354,16 @@ def test_gdn_bf16_matmuls_follow_the_float32_loss_curve(straight_run, tmp_path, 
     ref, got = losses(straight_run)[:2], losses(out)
     rel = np.abs(got - ref) / np.abs(ref)
     assert 1e-7 < rel.max() < 1e-3, rel
+
+
+def test_kernel_choices_match_the_kernels_lists():
+    # The command lines (train.py, logprobs.py, bench_train.py) offer CHOICES, a jax-free table: it must
+    # name exactly the backends the kernels accept, no more (a dead flag) and no fewer (an unreachable one).
+    from qwen35_kernels.logprob_entropy import BACKENDS
+
+    from qwen35_jax.layers.attention_kernels import IMPLEMENTATIONS
+    from qwen35_jax.train.options import CHOICES
+
+    assert set(CHOICES["logprob_backend"]) == set(BACKENDS)
+    # pallas_gpu / pallas_tpu are the per-platform names "pallas" resolves to
+    assert set(CHOICES["attention"]) == set(IMPLEMENTATIONS) - {"pallas_gpu", "pallas_tpu"}
