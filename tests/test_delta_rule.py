@@ -15,7 +15,7 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from float64_reference import torch_float64
 from jaxpr_testutil import all_equations
-from qwen35_jax.layers.chunk_local_pallas import pallas_chunk_local
+from qwen35_jax.layers.chunk_local_pallas import chunk_local_forward, pallas_chunk_local
 from qwen35_jax.layers.chunk_states import UNROLL_CHUNKS, gdn_chunk_scan, pallas_chunk_states, resolve_gdn_chunk_scan
 from qwen35_jax.layers.chunk_states_pallas import entering_states
 from qwen35_jax.layers.chunked_rule_pallas import pallas_chunked_rule
@@ -150,6 +150,33 @@ def _per_chunk_inputs(seed, b=1, n=3, hk=1, hv=2, L=16, dk=16, dv=16):
     doc[:, 2] = 1
     doc[:, 2, -3:] = -1
     return q * dk**-0.5, k, v, cum, beta, read, write, doc, decay, state
+
+
+def test_chunk_local_kernel_matches_float64_across_the_whole_chunk():
+    """The local kernel's T = (I + A)^-1, u = T (beta v) and w = T (beta r k) at chunks of 64 (the inverse's
+    four 16-token blocks and their six off-diagonal merges) against float64 NumPy. The decay here is
+    weak (0.9 over a chunk), so the last block's T reaches back to the first through every merge term;
+    a chunk with a document boundary and padding is included. float32 lands within 3e-7 of each
+    result's largest entry; 1e-5 leaves room for another CPU's rounding, not for a lost term (1e-2)."""
+    q, k, v, _, beta, read, write, doc, _, _ = _per_chunk_inputs(7, n=3, hv=2, L=64, dk=16, dv=16)
+    cum = np.cumsum(np.full(beta.shape, -0.0017, np.float32), axis=-1)
+    read, write = np.exp(cum).astype(np.float32), np.exp(cum[..., -1:] - cum).astype(np.float32)
+    u, w, _, _, _, t = chunk_local_forward(q, k, v, cum, beta, read, write, doc, jax.lax.Precision.HIGHEST,
+                                           interpret=True)
+    q64, k64, v64, c64, b64, r64 = (np.asarray(x, np.float64) for x in (q, k, v, cum, beta, read))
+    L = k.shape[3]
+    for c in range(k.shape[1]):
+        for h in range(v.shape[2]):
+            kc = k64[0, c, h // (v.shape[2] // k.shape[2])]
+            same = (doc[0, c][:, None] == doc[0, c][None, :]) & (doc[0, c][:, None] >= 0)
+            decay = np.where(same, np.exp(c64[0, c, h][:, None] - c64[0, c, h][None, :]), 0.0)
+            a = np.tril(b64[0, c, h][:, None] * (kc @ kc.T) * decay, -1)
+            t_ref = np.linalg.inv(np.eye(L) + a)
+            u_ref = t_ref @ (b64[0, c, h][:, None] * v64[0, c, h])
+            w_ref = t_ref @ ((b64[0, c, h] * r64[0, c, h])[:, None] * kc)
+            for got, want in ((t[0, c, h], t_ref), (u[0, c, h], u_ref), (w[0, c, h], w_ref)):
+                assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.abs(np.tril(t_ref, -49)).max() > 1e-2  # the far corner is not negligible here
 
 
 def test_pallas_rule_stores_bf16_operands_without_changing_a_result():

@@ -14,14 +14,18 @@ chunk-state kernels read them, q_read = r q and k_write = e k (e_i = exp(c_L - c
 writes the state carried out of the chunk, else 0). As XLA ops the same work wrote and
 read a dozen [B, n, H, L, L] and [B, n, H, L, D] float32 arrays between small batched matmuls.
 
-The inverse is block doubling on whole tiles (Triton cannot slice a register tile): with T_m the
-inverse of (I + A)'s diagonal blocks of size m, the inverse over blocks of size 2m is
+The inverse works on b x b blocks (b = 16, Triton's smallest product; Triton cannot slice a register
+tile, so each block of A is formed from its own rows of k): with A_ij the blocks of A,
 
-    T_2m = T_m - T_m (A o C_m) T_m,     C_m: the lower-left m x m corner of every diagonal 2m block
+    T_ii = (I + A_ii)^-1,     T_ij = -T_ii sum_{j <= m < i} A_im T_mj   (i > j, by growing i - j)
 
-([[P, 0], [C, Q]]^-1 = [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]]), from T_2 = I - A o C_1: 2 log2(L) - 2
-products of [L, L] tiles, in float32 (IEEE when interpreted, three TF32 passes on a GPU; the other
-products at the rule's `prec`, as `chunk_states_pallas.tile_dot`).
+and each T_ii by block doubling on the b x b tile: with T_m the inverse of its diagonal blocks of size
+m, T_2m = T_m - T_m (A o C_m) T_m (C_m: the lower-left m x m corner of every diagonal 2m block;
+[[P, 0], [C, Q]]^-1 = [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]]), from T_2 = I - A o C_1. At L = 64 that is
+40 products of [16, 16] tiles where doubling on the whole tile took 10 of [64, 64] (16x the
+arithmetic); u and w are formed from the lower blocks of T only. The inverse's products run in
+float32 (IEEE when interpreted, three TF32 passes on a GPU); the others at the rule's `prec`, as
+`chunk_states_pallas.tile_dot`.
 
 Backward, from du, dw, dintra (rhs_u = beta v, rhs_w = beta r k):
 
@@ -85,11 +89,21 @@ def _grid_specs(L: int, G: int):
 
 def _decay(cum: jax.Array, doc: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
     """cum [L] float32, doc [L] int32 (-1: padding) -> D [L, L], row and column indices [L, L]."""
-    L = cum.shape[0]
-    row = lax.broadcasted_iota(jnp.int32, (L, L), 0)
-    col = lax.broadcasted_iota(jnp.int32, (L, L), 1)
-    pair = (doc[:, None] == doc[None, :]) & (doc[:, None] >= 0) & (row >= col)
-    diff = jnp.where(pair, cum[:, None] - cum[None, :], 0.0)
+    return _pair_decay(cum, cum, doc, doc, diagonal=True)
+
+
+def _pair_decay(cum_r: jax.Array, cum_c: jax.Array, doc_r: jax.Array, doc_c: jax.Array, *, diagonal: bool
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The block of D between row tokens (cum_r, doc_r [m]) and column tokens (cum_c, doc_c [m]) -> D [m, m],
+    row and column indices [m, m]. diagonal: the two are the same tokens (D is lower triangular), else
+    every row token comes after every column token."""
+    m = cum_r.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (m, m), 0)
+    col = lax.broadcasted_iota(jnp.int32, (m, m), 1)
+    pair = (doc_r[:, None] == doc_c[None, :]) & (doc_r[:, None] >= 0)
+    if diagonal:
+        pair = pair & (row >= col)
+    diff = jnp.where(pair, cum_r[:, None] - cum_c[None, :], 0.0)
     return jnp.where(pair, jnp.exp(diff), 0.0), row, col
 
 
@@ -108,6 +122,37 @@ def _unit_lower_inverse(a: jax.Array, row: jax.Array, col: jax.Array, dot) -> ja
     return t
 
 
+def _inverse_block(L: int) -> int:
+    """The block size b of the inverse: 16 where it divides a longer chunk, else the whole chunk."""
+    return 16 if L > 16 and L % 16 == 0 else L
+
+
+def _blocked_inverse(k_ref, beta_ref, cum_ref, doc_ref, blocks: list, dot, exact) -> dict:
+    """T = (I + A)^-1 of the chunk by b x b blocks (module docstring) -> {(i, j): T_ij [b, b]} for i >= j.
+
+    A_ij = strict_lower(beta_i (k_i k_j^T) o D_ij) is formed block by block from the rows of k_ref
+    ([L, Dk]) and of beta, cum, doc ([L]) that `blocks` (static slices of b tokens) select."""
+    k = [k_ref[rows, :] for rows in blocks]  # [b, Dk] each
+    beta = [beta_ref[rows] for rows in blocks]
+    cum = [cum_ref[rows] for rows in blocks]
+    doc = [doc_ref[rows] for rows in blocks]
+    a, t = {}, {}
+    for i in range(len(blocks)):
+        for j in range(i + 1):
+            decay, row, col = _pair_decay(cum[i], cum[j], doc[i], doc[j], diagonal=i == j)
+            a_ij = beta[i][:, None] * dot(k[i], k[j], COLS_BY_COLS) * decay
+            a[i, j] = jnp.where(row > col, a_ij, 0.0) if i == j else a_ij
+        t[i, i] = _unit_lower_inverse(a[i, i], row, col, exact)
+    for distance in range(1, len(blocks)):
+        for i in range(distance, len(blocks)):
+            j = i - distance
+            acc = exact(a[i, j], t[j, j], ROWS_BY_COLS)
+            for m in range(j + 1, i):
+                acc = acc + exact(a[i, m], t[m, j], ROWS_BY_COLS)
+            t[i, j] = -exact(t[i, i], acc, ROWS_BY_COLS)
+    return t
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9))
 def _chunk_local(q, k, v, cum, beta, read, write, doc, prec, interpret):
     return chunk_local_forward(q, k, v, cum, beta, read, write, doc, prec, interpret)[:5]
@@ -123,18 +168,26 @@ def chunk_local_forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array
     Hv, Dv = v.shape[2], v.shape[-1]
     dot, exact = _tile_dots(prec, interpret)
 
+    b = _inverse_block(L)
+    blocks = [pl.ds(i * b, b) for i in range(L // b)]
+
     def kernel(q_ref, k_ref, v_ref, cum_ref, beta_ref, read_ref, write_ref, doc_ref,
                u_ref, w_ref, intra_ref, q_read_ref, k_write_ref, t_ref):
-        # q and v are read where they are needed (fewer tiles live across the inverse)
-        k_c, beta_c, read_c = k_ref[...], beta_ref[...], read_ref[...]
-        decay, row, col = _decay(cum_ref[...], doc_ref[...])
-        a = jnp.where(row > col, beta_c[:, None] * dot(k_c, k_c, COLS_BY_COLS) * decay, 0.0)
-        t = _unit_lower_inverse(a, row, col, exact)
-        t_ref[...] = t
-        u_ref[...] = dot(t, v_ref[...].astype(jnp.float32) * beta_c[:, None], ROWS_BY_COLS)
-        w_ref[...] = dot(t, k_c * (beta_c * read_c)[:, None], ROWS_BY_COLS).astype(operand_dtype)
+        t = _blocked_inverse(k_ref, beta_ref, cum_ref, doc_ref, blocks, dot, exact)  # {(i, j): [b, b]}, i >= j
+        for i, rows in enumerate(blocks):
+            for j, cols in enumerate(blocks):
+                t_ref[rows, cols] = t[i, j] if j <= i else jnp.zeros((b, b), jnp.float32)
+            # row block i of u = T (beta v) and w = T (beta r k), from T's blocks left of the diagonal
+            u_i = w_i = 0.0
+            for j, cols in enumerate(blocks[:i + 1]):
+                beta_j = beta_ref[cols]
+                u_i = u_i + dot(t[i, j], v_ref[cols, :].astype(jnp.float32) * beta_j[:, None], ROWS_BY_COLS)
+                w_i = w_i + dot(t[i, j], k_ref[cols, :] * (beta_j * read_ref[cols])[:, None], ROWS_BY_COLS)
+            u_ref[rows, :] = u_i
+            w_ref[rows, :] = w_i.astype(operand_dtype)
+        k_c, q_c, read_c = k_ref[...], q_ref[...], read_ref[...]
+        decay, _, _ = _decay(cum_ref[...], doc_ref[...])
         k_write_ref[...] = (k_c * write_ref[...][:, None]).astype(operand_dtype)
-        q_c = q_ref[...]
         intra_ref[...] = (dot(q_c, k_c, COLS_BY_COLS) * decay).astype(operand_dtype)
         q_read_ref[...] = (q_c * read_c[:, None]).astype(operand_dtype)
 
