@@ -126,8 +126,8 @@ def test_pallas_chunked_rule_lowers_for_gpu_with_bf16_operands():
                                          interpret=False)
         return jnp.sum(out ** 2) + jnp.sum(final ** 2)
 
-    shapes = [(b, n, hk, L, dk), (b, n, hk, L, dk), (b, n, hv, L, dv)] + [(b, n, hv, L)] * 4 + [(b, n, hv),
-                                                                                               (b, hv, dk, dv)]
+    shapes = [(b, n * L, hk, dk), (b, n * L, hk, dk), (b, n * L, hv, dv)] + [(b, n, hv, L)] * 4 + [(b, n, hv),
+                                                                                                 (b, hv, dk, dv)]
     args = [jax.ShapeDtypeStruct(x, jnp.float32) for x in shapes] + [jax.ShapeDtypeStruct((b, n, L), jnp.int32)]
     text = jax.jit(jax.grad(loss, range(9))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert {"gdn_chunk_local", "gdn_chunk_local_backward", "gdn_chunk_states", "gdn_chunk_states_reverse",
@@ -190,7 +190,8 @@ def test_pallas_rule_stores_bf16_operands_without_changing_a_result():
     b, n, hv, L, dv = v.shape
     weights = [np.random.default_rng(1).normal(size=s).astype(np.float32) for s in ((b, n * L, hv, dv), state.shape)]
 
-    def end_to_end(q, k, v, cum, beta, read, write, decay, state):
+    def end_to_end(q, k, v, cum, beta, read, write, decay, state):  # the rule reads q, k, v token-major
+        q, k, v = (jnp.transpose(x, (0, 1, 3, 2, 4)).reshape(b, n * L, x.shape[2], x.shape[-1]) for x in (q, k, v))
         return pallas_chunked_rule(q, k, v, cum, beta, read, write, doc, decay, state, BF16_OPERANDS)
 
     def two_vjps(q, k, v, cum, beta, read, write, decay, state):

@@ -74,6 +74,30 @@ def _tile_dots(prec: GdnPrecision, interpret: bool):
             functools.partial(tile_dot, prec=exact, interpret=interpret))
 
 
+def _sizes(q: jax.Array, v: jax.Array, cum: jax.Array, token_major: bool) -> tuple[int, ...]:
+    """(B, n, Hk, Hv, L, Dk, Dv) from q, v (chunk-major [B, n, H, L, d] or token-major [B, n L, H, d])
+    and cum [B, n, Hv, L]."""
+    B, n, Hv, L = cum.shape
+    Hk = q.shape[2]
+    expected = ((B, n * L, Hk, q.shape[-1]), (B, n * L, Hv, v.shape[-1])) if token_major else (
+        (B, n, Hk, L, q.shape[-1]), (B, n, Hv, L, v.shape[-1]))
+    if (q.shape, v.shape) != expected:
+        raise ValueError(f"q {q.shape} and v {v.shape} do not match cum {cum.shape} "
+                         f"({'token' if token_major else 'chunk'}-major)")
+    return B, n, Hk, Hv, L, q.shape[-1], v.shape[-1]
+
+
+def _qkv_specs(L: int, G: int, token_major: bool):
+    """(key_tile(d), value_tile(d)): the block specs of q, k (key heads) and of v, dq, dk, dv (value
+    heads) on the grid (B, n, Hv), chunk-major [B, n, H, L, d] or token-major [B, n L, H, d] (the
+    layer's own layout, read and written in place: no transposition around the kernels)."""
+    if token_major:
+        return (lambda d: pl.BlockSpec((None, L, None, d), lambda b, c, h: (b, c, h // G, 0)),
+                lambda d: pl.BlockSpec((None, L, None, d), lambda b, c, h: (b, c, h, 0)))
+    value_tile, key_tile, _, _ = _grid_specs(L, G)
+    return key_tile, value_tile
+
+
 def _grid_specs(L: int, G: int):
     """Block specs on the grid (B, n, Hv): value head h reads key head h // G."""
     def value_tile(d):  # [L, d] of [B, n, Hv, L, d]
@@ -160,12 +184,12 @@ def _chunk_local(q, k, v, cum, beta, read, write, doc, prec, interpret):
 
 def chunk_local_forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array, beta: jax.Array,
                         read: jax.Array, write: jax.Array, doc: jax.Array, prec: GdnPrecision, interpret: bool,
-                        operand_dtype: jnp.dtype = jnp.float32) -> tuple[jax.Array, ...]:
-    """The forward kernel alone (no VJP): shapes as `pallas_chunk_local` -> u [B, n, Hv, L, Dv], w, intra,
-    q_read, k_write as there, and T [B, n, Hv, L, L] (the backward's residual). w, intra, q_read and
-    k_write, which later kernels only multiply, are written as `operand_dtype`; u and T are float32."""
-    B, n, Hk, L, Dk = q.shape
-    Hv, Dv = v.shape[2], v.shape[-1]
+                        operand_dtype: jnp.dtype = jnp.float32, token_major: bool = False) -> tuple[jax.Array, ...]:
+    """The forward kernel alone (no VJP): shapes as `pallas_chunk_local` (with `token_major`, q, k
+    [B, n L, Hk, Dk] and v [B, n L, Hv, Dv]) -> u [B, n, Hv, L, Dv], w, intra, q_read, k_write as there,
+    and T [B, n, Hv, L, L] (the backward's residual). w, intra, q_read and k_write, which later kernels
+    only multiply, are written as `operand_dtype`; u and T are float32."""
+    B, n, Hk, Hv, L, Dk, Dv = _sizes(q, v, cum, token_major)
     dot, exact = _tile_dots(prec, interpret)
 
     b = _inverse_block(L)
@@ -191,11 +215,12 @@ def chunk_local_forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array
         intra_ref[...] = (dot(q_c, k_c, COLS_BY_COLS) * decay).astype(operand_dtype)
         q_read_ref[...] = (q_c * read_c[:, None]).astype(operand_dtype)
 
-    value_tile, key_tile, per_token, document = _grid_specs(L, Hv // Hk)
+    value_tile, _, per_token, document = _grid_specs(L, Hv // Hk)
+    key_in, value_in = _qkv_specs(L, Hv // Hk, token_major)
     f32, op = jnp.float32, operand_dtype
     return tuple(pl.pallas_call(
         kernel, grid=(B, n, Hv),
-        in_specs=[key_tile(Dk), key_tile(Dk), value_tile(Dv)] + [per_token] * 4 + [document],
+        in_specs=[key_in(Dk), key_in(Dk), value_in(Dv)] + [per_token] * 4 + [document],
         out_specs=[value_tile(Dv), value_tile(Dk), value_tile(L), value_tile(Dk), value_tile(Dk), value_tile(L)],
         out_shape=[jax.ShapeDtypeStruct((B, n, Hv, L, Dv), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), op),
                    jax.ShapeDtypeStruct((B, n, Hv, L, L), op), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), op),
@@ -221,10 +246,11 @@ def chunk_local_backward(
     du: jax.Array, dw: jax.Array, dintra: jax.Array, dq_read: jax.Array, dk_write: jax.Array,  # float32 cotangents
     prec: GdnPrecision,
     interpret: bool,
+    token_major: bool = False,
 ) -> tuple[jax.Array, ...]:  # dq, dk [B, n, Hk, L, Dk], dv [B, n, Hv, L, Dv], dcum, dbeta, dread, dwrite [B, n, Hv, L]
-    """The backward kernel alone: the gradients of `chunk_local_forward`'s inputs but doc."""
-    B, n, Hk, L, Dk = q.shape
-    Hv, Dv = v.shape[2], v.shape[-1]
+    """The backward kernel alone: the gradients of `chunk_local_forward`'s inputs but doc, dq, dk and dv
+    in the layout of q, k and v (`token_major`: [B, n L, Hk, Dk], [B, n L, Hv, Dv])."""
+    B, n, Hk, Hv, L, Dk, Dv = _sizes(q, v, cum, token_major)
     G = Hv // Hk
     dot, exact = _tile_dots(prec, interpret)
 
@@ -272,21 +298,24 @@ def chunk_local_backward(
         dwrite_ref[...] = jnp.sum(dk_write * k_c, axis=1)
         dk_ref[...] = dk + dk_write * write_c[:, None]
 
-    value_tile, key_tile, per_token, document = _grid_specs(L, G)
+    value_tile, _, per_token, document = _grid_specs(L, G)
+    key_in, value_in = _qkv_specs(L, G, token_major)
     f32 = jnp.float32
+    layout = (lambda d: (B, n * L, Hv, d)) if token_major else (lambda d: (B, n, Hv, L, d))
     dq, dk, dv, dcum, dbeta, dread, dwrite = pl.pallas_call(
         kernel, grid=(B, n, Hv),
-        in_specs=[key_tile(Dk), key_tile(Dk), value_tile(Dv)] + [per_token] * 4 + [document]
+        in_specs=[key_in(Dk), key_in(Dk), value_in(Dv)] + [per_token] * 4 + [document]
                  + [value_tile(L), value_tile(Dv), value_tile(Dk), value_tile(L), value_tile(Dk), value_tile(Dk)],
-        out_specs=[value_tile(Dk), value_tile(Dk), value_tile(Dv)] + [per_token] * 4,
-        out_shape=[jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32), jax.ShapeDtypeStruct((B, n, Hv, L, Dk), f32),
-                   jax.ShapeDtypeStruct((B, n, Hv, L, Dv), v.dtype)]
+        out_specs=[value_in(Dk), value_in(Dk), value_in(Dv)] + [per_token] * 4,
+        out_shape=[jax.ShapeDtypeStruct(layout(Dk), f32), jax.ShapeDtypeStruct(layout(Dk), f32),
+                   jax.ShapeDtypeStruct(layout(Dv), v.dtype)]
                   + [jax.ShapeDtypeStruct((B, n, Hv, L), f32)] * 4,
         compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
         interpret=interpret, name="gdn_chunk_local_backward",
     )(q, k, v, cum, beta, read, write, doc, t, du, dw, dintra, dq_read, dk_write)
     if G > 1:  # each value head's share of its key head's gradient
-        dq, dk = (x.reshape(B, n, Hk, G, L, Dk).sum(axis=3) for x in (dq, dk))
+        grouped = (B, n * L, Hk, G, Dk) if token_major else (B, n, Hk, G, L, Dk)
+        dq, dk = (x.reshape(grouped).sum(axis=3) for x in (dq, dk))
     return dq, dk, dv, dcum, dbeta, dread, dwrite
 
 

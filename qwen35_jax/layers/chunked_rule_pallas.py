@@ -12,9 +12,10 @@ bfloat16 too (`chunk_states_pallas.py`), the final state float32.
 Backward: the output kernel's backward, the reverse recurrence and chunk-gradient kernel, then the
 chunk-local backward kernel, each fed the float32 cotangents of the one before.
 
-The output leaves token-major ([B, n L, H, Dv], the layout of the layer around it) in the compute
-dtype the layer continues in, written so by the output kernel: no transposition or cast pass after
-it, none for its cotangent before the backward.
+q, k and v come token-major ([B, n L, H, d], the layout of the layer around it) and the chunk-local
+kernels read their [L, d] tiles from it and write dq, dk, dv back in it; the output leaves
+token-major too, in the compute dtype the layer continues in, written so by the output kernel: no
+transposition or cast pass around the rule, forward or backward.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, i
 
 def _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret):
     u, w, intra, q_read, k_write, t = chunk_local_forward(q, k, v, cum, beta, read, write, doc, prec, interpret,
-                                                          operand_dtype(prec))
+                                                          operand_dtype(prec), token_major=True)
     out, states, final = scan_forward(u, w, q_read, k_write, intra, decay, state, prec, interpret, out_dtype,
                                       token_major=True)
     residuals = (q, k, v, cum, beta, read, write, doc, t, u, w, q_read, k_write, intra, decay, states)
@@ -49,7 +50,7 @@ def _rule_bwd(prec, out_dtype, interpret, residuals, cotangents):
     du, dw, dq_read, dk_write, dintra, d_decay, d_state = scan_backward(
         u, w, q_read, k_write, intra, decay, states, d_out, d_final, prec, interpret, token_major=True)
     grads = chunk_local_backward(q, k, v, cum, beta, read, write, doc, t, du, dw, dintra, dq_read, dk_write,
-                                 prec, interpret)
+                                 prec, interpret, token_major=True)
     return (*grads[:7], None, d_decay, d_state)
 
 
@@ -57,9 +58,9 @@ _rule.defvjp(_rule_fwd, _rule_bwd)
 
 
 def pallas_chunked_rule(
-    q: jax.Array,  # [B, n, Hk, L, Dk] float32, scaled
-    k: jax.Array,  # [B, n, Hk, L, Dk] float32
-    v: jax.Array,  # [B, n, Hv, L, Dv] float32 or the compute dtype (read as float32; its gradient in its own)
+    q: jax.Array,  # [B, n L, Hk, Dk] float32, scaled (token-major: the layer's layout)
+    k: jax.Array,  # [B, n L, Hk, Dk] float32
+    v: jax.Array,  # [B, n L, Hv, Dv] float32 or the compute dtype (read as float32; its gradient in its own)
     cum: jax.Array,  # [B, n, Hv, L] float32: cumulative log-decay inside each chunk
     beta: jax.Array,  # [B, n, Hv, L] float32
     read: jax.Array,  # [B, n, Hv, L] float32: the factor with which each token reads the entering state

@@ -159,13 +159,13 @@ def chunked_gated_delta_rule(
     pad = (-S) % L
     n = (S + pad) // L
 
-    def chunks(x, fill=0):  # [B, S, ...] -> [B, n, L, ...], padded with no-op tokens
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+    def padded(x, fill=0):  # [B, S, ...] -> [B, n L, ...], padded with no-op tokens
+        return jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2), constant_values=fill)
+
+    def chunks(x, fill=0):  # [B, S, ...] -> [B, n, L, ...]
+        x = padded(x, fill)
         return x.reshape(B, n, L, *x.shape[2:])
 
-    # Heads first, value heads grouped under their key head: [B, n, Hk, G, L, ...] (G = 1 for q, k).
-    q, k = (jnp.moveaxis(chunks(x), 2, 3)[:, :, :, None] for x in (q, k))  # [B, n, Hk, 1, L, Dk]
-    v = jnp.moveaxis(chunks(v).reshape(B, n, L, Hk, G, Dv), 2, 4)  # [B, n, Hk, G, L, Dv]
     g, beta = (jnp.moveaxis(chunks(x).reshape(B, n, L, Hk, G), 2, 4) for x in (g, beta))  # [B, n, Hk, G, L]
     valid = chunks(valid, False)  # [B, n, L]
     # The no-op tail tokens take the doc index of the token before them (doc indices never decrease).
@@ -187,11 +187,14 @@ def chunked_gated_delta_rule(
 
     key = jnp.where(valid, doc, -1)  # [B, n, L]: two tokens interact iff their keys are equal and >= 0
     chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
-    if pallas_rule:
-        out, state = pallas_chunked_rule(q[:, :, :, 0], k[:, :, :, 0],
-                                         *(value_heads(x) for x in (v, cum, beta, read, write)), key,
+    if pallas_rule:  # q, k, v stay token-major: the kernels read their chunks in place
+        out, state = pallas_chunked_rule(padded(q), padded(k), padded(v),
+                                         *(value_heads(x) for x in (cum, beta, read, write)), key,
                                          value_heads(chunk_decay), state, prec, out_dtype=out_dtype)
         return out[:, :S], state  # [B, S, Hv, Dv]
+    # Heads first, value heads grouped under their key head: [B, n, Hk, G, L, ...] (G = 1 for q, k).
+    q, k = (jnp.moveaxis(chunks(x), 2, 3)[:, :, :, None] for x in (q, k))  # [B, n, Hk, 1, L, Dk]
+    v = jnp.moveaxis(chunks(v).reshape(B, n, L, Hk, G, Dv), 2, 4)  # [B, n, Hk, G, L, Dv]
     u, w, intra = xla_chunk_local(q, k, v, cum, beta, read, key, prec)
     q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
     k_write = k * write[..., None]
