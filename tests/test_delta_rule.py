@@ -247,6 +247,29 @@ def test_pallas_rule_reads_bf16_values_as_they_are():
     assert {str(e.invars[2].aval.dtype) for e in local} == {"bfloat16"}  # v, forward and backward
 
 
+def test_pallas_rule_stores_q_and_k_as_bf16_only_under_bf16_operands():
+    """Under bf16 operands the Pallas rule takes q and k as bfloat16 (every product rounds them so; the
+    cast fuses into the L2 norm that makes them) and returns their gradients in it; under float32
+    operands they stay float32. Accuracy under bf16 is test_bf16_operands_stay_within_bfloat16_rounding_of_float64's."""
+    S = 40
+    q, k, v, g, beta, state = _inputs(S, seed=8)
+
+    def local_kernel_qk_dtypes(precision):
+        def loss(q, k, v, g, beta):
+            out, final = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=state, chunk_size=16,
+                                                  chunk_scan="pallas", precision=precision)
+            return jnp.sum(out) + jnp.sum(final)
+
+        jaxpr = jax.make_jaxpr(jax.grad(loss, range(5)))(q, k, v, g, beta)
+        local = [e for e in all_equations(jaxpr.jaxpr)
+                 if e.primitive.name == "pallas_call" and e.params["name"].startswith("gdn_chunk_local")]
+        assert len(local) == 2  # forward and backward
+        return {str(x.aval.dtype) for e in local for x in e.invars[:2]}
+
+    assert local_kernel_qk_dtypes("bf16") == {"bfloat16"}
+    assert local_kernel_qk_dtypes("highest") == {"float32"}
+
+
 def test_pallas_rule_writes_its_output_in_the_compute_dtype():
     """out_dtype=bfloat16: the output kernel rounds the float32 sums itself, token-major, and the backward
     reads the bfloat16 cotangent: the same output and gradients as the float32 output cast afterwards

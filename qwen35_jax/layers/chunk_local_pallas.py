@@ -156,7 +156,7 @@ def _blocked_inverse(k_ref, beta_ref, cum_ref, doc_ref, blocks: list, dot, exact
 
     A_ij = strict_lower(beta_i (k_i k_j^T) o D_ij) is formed block by block from the rows of k_ref
     ([L, Dk]) and of beta, cum, doc ([L]) that `blocks` (static slices of b tokens) select."""
-    k = [k_ref[rows, :] for rows in blocks]  # [b, Dk] each
+    k = [k_ref[rows, :].astype(jnp.float32) for rows in blocks]  # [b, Dk] each
     beta = [beta_ref[rows] for rows in blocks]
     cum = [cum_ref[rows] for rows in blocks]
     doc = [doc_ref[rows] for rows in blocks]
@@ -206,10 +206,11 @@ def chunk_local_forward(q: jax.Array, k: jax.Array, v: jax.Array, cum: jax.Array
             for j, cols in enumerate(blocks[:i + 1]):
                 beta_j = beta_ref[cols]
                 u_i = u_i + dot(t[i, j], v_ref[cols, :].astype(jnp.float32) * beta_j[:, None], ROWS_BY_COLS)
-                w_i = w_i + dot(t[i, j], k_ref[cols, :] * (beta_j * read_ref[cols])[:, None], ROWS_BY_COLS)
+                k_j = k_ref[cols, :].astype(jnp.float32)
+                w_i = w_i + dot(t[i, j], k_j * (beta_j * read_ref[cols])[:, None], ROWS_BY_COLS)
             u_ref[rows, :] = u_i
             w_ref[rows, :] = w_i.astype(operand_dtype)
-        k_c, q_c, read_c = k_ref[...], q_ref[...], read_ref[...]
+        k_c, q_c, read_c = k_ref[...].astype(jnp.float32), q_ref[...].astype(jnp.float32), read_ref[...]
         decay, _, _ = _decay(cum_ref[...], doc_ref[...])
         k_write_ref[...] = (k_c * write_ref[...][:, None]).astype(operand_dtype)
         intra_ref[...] = (dot(q_c, k_c, COLS_BY_COLS) * decay).astype(operand_dtype)
@@ -263,7 +264,7 @@ def chunk_local_backward(
         beta_c, read_c, write_c = beta_ref[...], read_ref[...], write_ref[...]  # [L]
         k_factor = beta_c * read_c
         decay, row, col = _decay(cum_ref[...], doc_ref[...])
-        k_c, t = k_ref[...], t_ref[...]
+        k_c, t = k_ref[...].astype(jnp.float32), t_ref[...]
         kk = dot(k_c, k_c, COLS_BY_COLS)  # [L, L]
         # through u = T (beta v)
         du_c, v_c = du_ref[...], v_ref[...].astype(jnp.float32)
@@ -285,7 +286,7 @@ def chunk_local_backward(
         dk = dk + dot(d_kk, k_c, ROWS_BY_COLS) + dot(d_kk, k_c, ROWS_BY_ROWS)
         d_exp = d_kk * kk  # d exp(c_i - c_j) o D
         # through intra = (q k^T) o D
-        q_c, dintra_c = q_ref[...], dintra_ref[...]
+        q_c, dintra_c = q_ref[...].astype(jnp.float32), dintra_ref[...]
         d_qk = dintra_c * decay
         d_exp = d_exp + d_qk * dot(q_c, k_c, COLS_BY_COLS)
         dcum_ref[...] = jnp.sum(d_exp, axis=1) - jnp.sum(d_exp, axis=0)
@@ -293,21 +294,22 @@ def chunk_local_backward(
         dk = dk + dot(d_qk, q_c, ROWS_BY_ROWS)
         # through q_read = r q and k_write = e k
         dq_read, dk_write = dq_read_ref[...], dk_write_ref[...]  # [L, Dk]
-        dq_ref[...] = dq + dq_read * read_c[:, None]
+        dq_ref[...] = (dq + dq_read * read_c[:, None]).astype(dq_ref.dtype)
         dread_ref[...] = d_k_factor * beta_c + jnp.sum(dq_read * q_c, axis=1)
         dwrite_ref[...] = jnp.sum(dk_write * k_c, axis=1)
-        dk_ref[...] = dk + dk_write * write_c[:, None]
+        dk_ref[...] = (dk + dk_write * write_c[:, None]).astype(dk_ref.dtype)
 
     value_tile, _, per_token, document = _grid_specs(L, G)
     key_in, value_in = _qkv_specs(L, G, token_major)
     f32 = jnp.float32
     layout = (lambda d: (B, n * L, Hv, d)) if token_major else (lambda d: (B, n, Hv, L, d))
+    dqk = q.dtype if G == 1 else f32  # with G > 1 the value heads' shares are summed in float32 first
     dq, dk, dv, dcum, dbeta, dread, dwrite = pl.pallas_call(
         kernel, grid=(B, n, Hv),
         in_specs=[key_in(Dk), key_in(Dk), value_in(Dv)] + [per_token] * 4 + [document]
                  + [value_tile(L), value_tile(Dv), value_tile(Dk), value_tile(L), value_tile(Dk), value_tile(Dk)],
         out_specs=[value_in(Dk), value_in(Dk), value_in(Dv)] + [per_token] * 4,
-        out_shape=[jax.ShapeDtypeStruct(layout(Dk), f32), jax.ShapeDtypeStruct(layout(Dk), f32),
+        out_shape=[jax.ShapeDtypeStruct(layout(Dk), dqk), jax.ShapeDtypeStruct(layout(Dk), dqk),
                    jax.ShapeDtypeStruct(layout(Dv), v.dtype)]
                   + [jax.ShapeDtypeStruct((B, n, Hv, L), f32)] * 4,
         compiler_params=plgpu.CompilerParams(num_warps=GRADIENT_KERNEL_WARPS, num_stages=2),
@@ -315,7 +317,7 @@ def chunk_local_backward(
     )(q, k, v, cum, beta, read, write, doc, t, du, dw, dintra, dq_read, dk_write)
     if G > 1:  # each value head's share of its key head's gradient
         grouped = (B, n * L, Hk, G, Dk) if token_major else (B, n, Hk, G, L, Dk)
-        dq, dk = (x.reshape(grouped).sum(axis=3) for x in (dq, dk))
+        dq, dk = (x.reshape(grouped).sum(axis=3).astype(q.dtype) for x in (dq, dk))
     return dq, dk, dv, dcum, dbeta, dread, dwrite
 
 
@@ -323,8 +325,8 @@ _chunk_local.defvjp(_chunk_local_fwd, _chunk_local_bwd)
 
 
 def pallas_chunk_local(
-    q: jax.Array,  # [B, n, Hk, L, Dk] float32, scaled
-    k: jax.Array,  # [B, n, Hk, L, Dk] float32
+    q: jax.Array,  # [B, n, Hk, L, Dk] float32 or bfloat16 (read as float32; dq in its dtype), scaled
+    k: jax.Array,  # [B, n, Hk, L, Dk] as q
     v: jax.Array,  # [B, n, Hv, L, Dv] float32 or the compute dtype (read as float32; its gradient in its own)
     cum: jax.Array,  # [B, n, Hv, L] float32: cumulative log-decay inside each chunk
     beta: jax.Array,  # [B, n, Hv, L] float32

@@ -58,8 +58,8 @@ _rule.defvjp(_rule_fwd, _rule_bwd)
 
 
 def pallas_chunked_rule(
-    q: jax.Array,  # [B, n L, Hk, Dk] float32, scaled (token-major: the layer's layout)
-    k: jax.Array,  # [B, n L, Hk, Dk] float32
+    q: jax.Array,  # [B, n L, Hk, Dk] float32 or bfloat16 (read as float32; dq in its dtype), scaled
+    k: jax.Array,  # [B, n L, Hk, Dk] as q
     v: jax.Array,  # [B, n L, Hv, Dv] float32 or the compute dtype (read as float32; its gradient in its own)
     cum: jax.Array,  # [B, n, Hv, L] float32: cumulative log-decay inside each chunk
     beta: jax.Array,  # [B, n, Hv, L] float32

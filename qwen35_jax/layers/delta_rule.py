@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from qwen35_jax.layers.chunk_local_pallas import local_kernel_fits
 from qwen35_jax.layers.chunk_states import CHUNK_STATES, chunk_scan_for
 from qwen35_jax.layers.chunked_rule_pallas import pallas_chunked_rule
-from qwen35_jax.layers.gdn_matmul import gdn_einsum, resolve_gdn_precision
+from qwen35_jax.layers.gdn_matmul import gdn_einsum, operand_dtype, resolve_gdn_precision
 from qwen35_jax.layers.tiling import delta_rule_tile, tiled_delta_rule
 from qwen35_jax.layers.triangular import unit_lower_inverse
 
@@ -188,7 +188,10 @@ def chunked_gated_delta_rule(
     key = jnp.where(valid, doc, -1)  # [B, n, L]: two tokens interact iff their keys are equal and >= 0
     chunk_decay = jnp.exp(cum[..., -1]) * keeps_state  # [B, n, Hk, G]
     if pallas_rule:  # q, k, v stay token-major: the kernels read their chunks in place
-        out, state = pallas_chunked_rule(padded(q), padded(k), padded(v),
+        # Under bf16 operands every product rounds q and k to bfloat16: stored so, half their bytes (the
+        # cast fuses into the L2 norm that makes them); their gradients come back in bfloat16 too.
+        qk = operand_dtype(prec)
+        out, state = pallas_chunked_rule(padded(q.astype(qk)), padded(k.astype(qk)), padded(v),
                                          *(value_heads(x) for x in (cum, beta, read, write)), key,
                                          value_heads(chunk_decay), state, prec, out_dtype=out_dtype)
         return out[:, :S], state  # [B, S, Hv, Dv]
