@@ -38,6 +38,9 @@ plus the shares of q_read and k_write: dq += r dq_read, dk += e dk_write, dr += 
 de = rowsum(dk_write o k).
 
 dq and dk come per value head; with several value heads per key head (G > 1) XLA sums their G copies.
+q, k and v are read, and dq, dk, dv written, chunk-major [B, n, H, L, d] or (`token_major`, what the
+end-to-end rule uses) in the layer's token-major [B, n L, H, d], the same [L, d] tiles by block spec;
+q, k and v may be bfloat16 (read as float32, their gradients written in their dtype).
 Off a GPU the kernels run interpreted (tests).
 """
 
