@@ -62,7 +62,8 @@ VARIANTS = {
     "xla": functools.partial(qk.linear_logprob_entropy, backend="xla"),
     "xla-small-tiles": _from_stats(functools.partial(xla.token_stats, block_t=16, block_v=64)),
     # the GPU/TPU forward (each tile read once) run on CPU
-    "xla-one-pass-small-tiles": _from_stats(functools.partial(xla.token_stats, block_t=16, block_v=64, one_pass=True)),
+    "xla-one-pass-small-tiles": _from_stats(
+        functools.partial(xla.token_stats, block_t=16, block_v=64, one_pass=True)),
     "pallas-gpu-layout": _from_stats(functools.partial(pallas.token_stats, blocks=SMALL_GPU)),
     "pallas-tpu-layout": _from_stats(functools.partial(pallas.token_stats, blocks=SMALL_TPU)),
     # the Pallas forward's statistics as the XLA backward's residuals

@@ -2,9 +2,10 @@
 
 Forward: for each token block, a loop over vocabulary blocks keeps the online (max, sum-exp,
 sum p*(z - max), label logit). On GPU and TPU a tile is read once (one variadic reduction whose
-combiner merges partial statistics); on CPU twice (its max, then the sums). Backward (custom VJP): the logits are recomputed tile by tile; the outer
-loop runs over vocabulary blocks so each [D, block_v] slice of dW is accumulated in float32 and written
-once, while dh [T, D] (float32) is accumulated across it. The logit gradient dz is rounded to the
+combiner merges partial statistics); on CPU twice (its max, then the sums). Backward (custom VJP):
+the logits are recomputed tile by tile; the outer loop runs over vocabulary blocks so each
+[D, block_v] slice of dW is accumulated in float32 and written once, while dh [T, D] (float32) is
+accumulated across it. The logit gradient dz is rounded to the
 inputs' dtype before its two matmuls (as the Pallas kernel does), so bf16 inputs run bf16 GEMMs.
 Nothing of size T * V exists.
 
@@ -201,4 +202,5 @@ def token_stats(
     bt, bv = default_blocks()
     if one_pass is None:
         one_pass = jax.default_backend() in ONE_PASS_BACKENDS
-    return _stats(hidden, weight, labels, float(temperature), int(block_t or bt), int(block_v or bv), bool(one_pass))
+    return _stats(hidden, weight, labels, float(temperature), int(block_t or bt), int(block_v or bv),
+                  bool(one_pass))
