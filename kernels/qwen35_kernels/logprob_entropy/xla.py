@@ -5,8 +5,8 @@ sum p*(z - max), label logit). On GPU and TPU a tile is read once (one variadic 
 combiner merges partial statistics); on CPU twice (its max, then the sums). Backward (custom VJP):
 the logits are recomputed tile by tile; the outer loop runs over vocabulary blocks so each
 [D, block_v] slice of dW is accumulated in float32 and written once, while dh [T, D] (float32) is
-accumulated across it. The logit gradient dz is rounded to the
-inputs' dtype before its two matmuls (as the Pallas kernel does), so bf16 inputs run bf16 GEMMs.
+accumulated across it. The logit gradient dz is rounded to the inputs' dtype before its two matmuls
+(as the Pallas kernel does), so bf16 inputs run bf16 GEMMs.
 Nothing of size T * V exists.
 
 A vocabulary that is not a multiple of block_v is handled without copying the weight: the last block
