@@ -1,5 +1,5 @@
 """The GDN input pieces shared by the layer and the state-passing path, the conv gradient stored once,
-and the import order they allow."""
+the import order they allow, and the Pallas kernels that run the conv, SiLU and L2 norms on a GPU."""
 
 import subprocess
 import sys
@@ -67,8 +67,124 @@ def test_stored_cotangent_is_the_identity_with_the_same_gradient():
 
 
 @pytest.mark.parametrize("first", ["qwen35_jax.layers.gdn_state_passing", "qwen35_jax.parallel.ulysses",
-                                   "qwen35_jax.layers.gated_deltanet", "qwen35_jax.parallel"])
+                                   "qwen35_jax.layers.gated_deltanet", "qwen35_jax.parallel",
+                                   "qwen35_jax.layers.gdn_inputs"])
 def test_gdn_modules_import_in_any_order(first):
     code = f"import {first}; import qwen35_jax.model; from qwen35_jax.layers.gated_deltanet import gdn_core"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def _conv_problem(dtype, seed=0, B=2, S=48, H=3, D=16, Kc=4):
+    """Raw q-like inputs with two documents, padding inside and at the end of a row."""
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(B, S, H, D)), dtype)
+    w = jnp.asarray(rng.normal(size=(Kc, H, D)) * 0.5, dtype)
+    seg = np.ones((B, S), np.int32)
+    seg[0, 20:] = 2
+    seg[0, 40:] = 0
+    seg[1, 5:9] = 0
+    return x, w, jnp.asarray(seg), jnp.asarray(rng.normal(size=(B, S, H, D)), jnp.float32)
+
+
+def _xla_inputs_path(x, w, seg, scale):
+    """rule_inputs' XLA path for one tensor: padding zeroed, conv + SiLU, L2 norm times scale (or none)."""
+    from qwen35_jax.layers.delta_rule import document_index
+    from qwen35_jax.layers.gdn_inputs import l2_normalize
+
+    valid, doc = document_index(seg, *seg.shape)
+    y = causal_conv1d_silu(jnp.where(valid[..., None, None], x, jnp.zeros((), x.dtype)), w, doc)
+    return y if scale is None else l2_normalize(y) * scale
+
+
+@pytest.mark.parametrize("scale", [None, 0.25], ids=["v", "q"])
+def test_pallas_conv_silu_matches_float64(scale):
+    """The fused conv + SiLU (+ L2 norm) kernels, interpreted, against the XLA path evaluated in
+    float64 (documents, padding inside and at the end, blocks of 16 tokens so the conv reads across
+    block edges): outputs and the gradients of x and the conv kernel. float32 lands within 2e-7 of
+    each result's largest entry; 2e-6 allows another CPU's rounding, not a lost tap or a document
+    edge crossed (1e-2 and more)."""
+    from qwen35_jax.layers.delta_rule import document_index
+    from qwen35_jax.layers.gdn_inputs_pallas import pallas_conv_silu
+
+    x, w, seg, ct = _conv_problem(jnp.float32)
+    valid, doc = document_index(seg, *seg.shape)
+
+    def pallas(x, w):
+        return pallas_conv_silu(x, w, valid, doc, l2_scale=scale)
+
+    with jax.enable_x64(True):
+        x64, w64, ct64 = (jnp.asarray(np.asarray(a, np.float64)) for a in (x, w, ct))
+        want = [np.asarray(_xla_inputs_path(x64, w64, seg, scale))]
+        want += [np.asarray(g) for g in jax.grad(lambda x, w: jnp.sum(_xla_inputs_path(x, w, seg, scale) * ct64),
+                                                 (0, 1))(x64, w64)]
+    got = [pallas(x, w)] + list(jax.grad(lambda x, w: jnp.sum(pallas(x, w) * ct), (0, 1))(x, w))
+    for g, r in zip(got, want):
+        assert g.shape == r.shape
+        assert np.abs(np.asarray(g, np.float64) - r).max() <= 2e-6 * np.abs(r).max()
+
+
+def test_pallas_conv_silu_rounds_bf16_where_the_xla_path_does():
+    """bf16 inputs: the kernels round the conv's sum and the SiLU output to bfloat16 where the XLA path
+    does (the L2 norm then in float32): outputs and gradients within 2 bfloat16 steps (2**-7) of the
+    XLA path's largest entry, which it misses only by where a product's last bit rounds; the bf16
+    output dtypes are the XLA path's."""
+    from qwen35_jax.layers.delta_rule import document_index
+    from qwen35_jax.layers.gdn_inputs_pallas import pallas_conv_silu
+
+    x, w, seg, ct = _conv_problem(jnp.bfloat16, seed=1)
+    valid, doc = document_index(seg, *seg.shape)
+    for scale in (None, 1.0):
+        def xla(x, w, scale=scale):
+            return _xla_inputs_path(x, w, seg, scale)
+
+        def pallas(x, w, scale=scale):
+            return pallas_conv_silu(x, w, valid, doc, l2_scale=scale)
+
+        results = []
+        for fn in (xla, pallas):
+            out = fn(x, w)
+            grads = jax.grad(lambda x, w, fn=fn: jnp.sum(fn(x, w).astype(jnp.float32) * ct), (0, 1))(x, w)
+            results.append((out, *grads))
+        for want, got in zip(*results):
+            assert got.dtype == want.dtype
+            want = np.asarray(want.astype(jnp.float32), np.float64)
+            assert np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want).max() <= 2**-7 * np.abs(want).max()
+
+
+def test_rule_inputs_by_kernels_equal_the_xla_path():
+    """rule_inputs with the kernels (what a GPU runs without a conv halo) against its XLA path: q, k, v
+    and the gates, same dtypes (float32 q, k under float32 GDN matmuls); within 1e-6 of the largest
+    entry (both float32)."""
+    from qwen35_jax.layers.gdn_inputs import rule_inputs
+
+    rng = np.random.default_rng(2)
+    B, S, Hk, Hv, D = 1, 32, 2, 4, 16
+    q, k = (jnp.asarray(rng.normal(size=(B, S, Hk, D)), jnp.float32) for _ in range(2))
+    v = jnp.asarray(rng.normal(size=(B, S, Hv, D)), jnp.float32)
+    b, a = (jnp.asarray(rng.normal(size=(B, S, Hv)), jnp.float32) for _ in range(2))
+    convs = [jnp.asarray(rng.normal(size=(4, h, D)) * 0.5, jnp.float32) for h in (Hk, Hk, Hv)]
+    A_log, dt_bias = jnp.zeros((Hv,)), jnp.zeros((Hv,))
+    seg = jnp.asarray(np.r_[np.ones(12), np.full(17, 2), np.zeros(3)].astype(np.int32)[None])
+    outs = [rule_inputs(q, k, v, b, a, *convs, A_log, dt_bias, seg, kernels=use) for use in (False, True)]
+    for want, got in zip(*outs):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-6 * np.abs(np.asarray(want)).max()
+
+
+def test_pallas_conv_silu_lowers_for_gpu():
+    # The four kernels built for Triton (not interpreted) and lowered for "cuda" on this CPU machine at
+    # the 0.8B shapes (8192 tokens, 16 heads of 128), forward and backward.
+    import re
+
+    from qwen35_jax.layers.gdn_inputs_pallas import pallas_conv_silu
+
+    def loss(x, w, valid, doc):
+        return jnp.sum(pallas_conv_silu(x, w, valid, doc, l2_scale=1.0, interpret=False)) + jnp.sum(
+            pallas_conv_silu(x, w, valid, doc, interpret=False).astype(jnp.float32))
+
+    args = (jax.ShapeDtypeStruct((1, 8192, 16, 128), jnp.bfloat16), jax.ShapeDtypeStruct((4, 16, 128), jnp.bfloat16),
+            jax.ShapeDtypeStruct((1, 8192), jnp.int32), jax.ShapeDtypeStruct((1, 8192), jnp.int32))
+    text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert {"gdn_conv_silu", "gdn_conv_silu_l2", "gdn_conv_silu_backward", "gdn_conv_silu_l2_backward"} <= set(
+        re.findall(r'name = "(\w+)"', text))

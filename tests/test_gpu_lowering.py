@@ -28,6 +28,8 @@ from qwen35_jax.train.step import batch_shardings, make_train_step
 GDN_KERNELS = {"gdn_chunk_local", "gdn_chunk_local_backward", "gdn_chunk_states", "gdn_chunk_states_reverse",
                "gdn_chunk_gradients", "gdn_chunk_outputs", "gdn_chunk_outputs_backward"}
 TRITON_ATTENTION = {"mha_forward", "mha_preprocess_backward", "mha_backward"}
+# the GDN conv + SiLU (+ L2 norm) kernels, where a mixer sees whole sequences (no conv halo)
+GDN_INPUT_KERNELS = {"gdn_conv_silu", "gdn_conv_silu_l2", "gdn_conv_silu_backward", "gdn_conv_silu_l2_backward"}
 
 
 # remat "none": the blocks one after another (the GPU's default layout then); "full": scanned
@@ -67,8 +69,10 @@ def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, preset, attention, gd
     targets = Counter(re.findall(r"custom_call @([\w$.]+)", text))
     kernels = set(re.findall(r'name = "(\w+)"', text)) - {"fsdp", "sp"}
     # the GDN chunk scan's Pallas kernels, forward and reverse, and the Triton attention kernels
-    # (with cuDNN: its fallback branch)
-    assert kernels == GDN_KERNELS | TRITON_ATTENTION, kernels
+    # (with cuDNN: its fallback branch); the GDN input kernels unless every mixer has a conv halo
+    # (state passing: each sequence shard reads the one before it; sequence tiles: the tile before)
+    inputs = GDN_INPUT_KERNELS if gdn_mode == "all_to_all" and tile is None else set()
+    assert kernels == GDN_KERNELS | TRITON_ATTENTION | inputs, kernels
     cudnn_calls = targets["__cudnn$fmhaSoftmax"], targets["__cudnn$fmhaSoftmaxBackward"]
     if attention == "cudnn":
         assert cudnn_calls == (2, 1)  # forward, its recomputation under "full", backward

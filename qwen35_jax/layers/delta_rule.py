@@ -145,6 +145,7 @@ def chunked_gated_delta_rule(
                                 segment_ids=segment_ids, initial_state=initial_state, chunk_size=chunk_size,
                                 tile=tile)
     prec = resolve_gdn_precision(precision)
+    q_in, k_in = q, k  # the Pallas rule takes them in the dtype it stores them (below), not via float32
     q, k, v, g, beta, valid, doc, state = _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state,
                                                              repeat_keys=False, cast_v=False)
     B, S, Hk, Dk = q.shape
@@ -191,7 +192,7 @@ def chunked_gated_delta_rule(
         # Under bf16 operands every product rounds q and k to bfloat16: stored so, half their bytes (the
         # cast fuses into the L2 norm that makes them); their gradients come back in bfloat16 too.
         qk = operand_dtype(prec)
-        out, state = pallas_chunked_rule(padded(q.astype(qk)), padded(k.astype(qk)), padded(v),
+        out, state = pallas_chunked_rule(padded(q_in.astype(qk)), padded(k_in.astype(qk)), padded(v),
                                          *(value_heads(x) for x in (cum, beta, read, write)), key,
                                          value_heads(chunk_decay), state, prec, out_dtype=out_dtype)
         return out[:, :S], state  # [B, S, Hv, Dv]

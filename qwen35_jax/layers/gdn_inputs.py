@@ -11,8 +11,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from qwen35_jax.layers import gdn_inputs_pallas
 from qwen35_jax.layers.chunk_states import inside_recomputed_mixer
 from qwen35_jax.layers.delta_rule import document_index
+from qwen35_jax.layers.gdn_matmul import operand_dtype, resolve_gdn_precision
 from qwen35_jax.layers.stored_cotangent import stored_cotangent
 
 
@@ -80,12 +82,26 @@ def rule_inputs(
     dt_bias: jax.Array,  # [Hv]
     segment_ids: jax.Array | None,  # [B, T] document ids >= 1, 0 = padding
     halo: tuple[jax.Array, ...] | None = None,  # raw q, k, v [B, h, H, d] and ids [B, h] of the h tokens before
+    kernels: bool | None = None,
 ) -> tuple[jax.Array, ...]:  # q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv]; q, k, g, beta float32
     """Padding zeroed, conv1d + SiLU, q and k L2-normalised (q scaled by Dk**-0.5), the gates.
 
     Without `halo` the conv window starts at the first token (zeros before it); with it the window
-    reaches into the halo tokens, stopping at document starts."""
+    reaches into the halo tokens, stopping at document starts. `kernels` (None: on a GPU, where the
+    sizes fit): without a halo, the conv, SiLU and norms by the Pallas kernels of `gdn_inputs_pallas`,
+    q and k then in the dtype the delta rule stores them (`gdn_matmul.operand_dtype`: bfloat16 under
+    bf16 GDN matmuls)."""
     B, T, _, Dk = q.shape
+    if kernels is None:
+        kernels = jax.default_backend() == "gpu"
+    if kernels and halo is None and all(gdn_inputs_pallas.fits(T, x.shape[-1]) for x in (q, v)):
+        valid, doc = document_index(segment_ids, B, T)
+        qk_dtype = operand_dtype(resolve_gdn_precision())
+        q = gdn_inputs_pallas.pallas_conv_silu(q, conv_q, valid, doc, l2_scale=Dk**-0.5, l2_dtype=qk_dtype)
+        k = gdn_inputs_pallas.pallas_conv_silu(k, conv_k, valid, doc, l2_scale=1.0, l2_dtype=qk_dtype)
+        v = gdn_inputs_pallas.pallas_conv_silu(v, conv_v, valid, doc)
+        beta, g = gates(b, a, A_log, dt_bias)
+        return q, k, v, g, beta
     doc, h = None, 0
     if halo is not None:
         hq, hk, hv, hseg = halo
