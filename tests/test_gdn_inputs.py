@@ -188,3 +188,29 @@ def test_pallas_conv_silu_lowers_for_gpu():
     text = jax.jit(jax.grad(loss, (0, 1))).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert {"gdn_conv_silu", "gdn_conv_silu_l2", "gdn_conv_silu_backward", "gdn_conv_silu_l2_backward"} <= set(
         re.findall(r'name = "(\w+)"', text))
+
+
+def test_rule_inputs_use_the_kernels_on_gpu_with_the_pallas_chunk_scan_only(monkeypatch):
+    # A GPU traces the input kernels with the Pallas chunk scan ("auto" there) and not with the XLA
+    # fallback that scripts/device_check.sh reruns a failed step with, nor with a conv halo.
+    from jaxpr_testutil import all_equations
+
+    from qwen35_jax.layers.chunk_states import gdn_chunk_scan
+    from qwen35_jax.layers.gdn_inputs import rule_inputs
+
+    B, S, H, D = 1, 32, 2, 16
+    q = jnp.zeros((B, S, H, D), jnp.bfloat16)
+    b = jnp.zeros((B, S, H), jnp.bfloat16)
+    conv = jnp.zeros((4, H, D), jnp.bfloat16)
+    seg = jnp.ones((B, S), jnp.int32)
+    halo = (q[:, :3], q[:, :3], q[:, :3], seg[:, :3])
+
+    def kernels(scan, halo=None):
+        with gdn_chunk_scan(scan):
+            jaxpr = jax.make_jaxpr(lambda q: rule_inputs(q, q, q, b, b, conv, conv, conv, jnp.zeros(H), jnp.zeros(H),
+                                                         seg, halo))(q)
+        return sorted(e.params["name"] for e in all_equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call")
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert kernels("auto") == ["gdn_conv_silu", "gdn_conv_silu_l2", "gdn_conv_silu_l2"]
+    assert kernels("associative") == [] and kernels("pallas", halo) == []

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from qwen35_jax.layers import gdn_inputs_pallas
-from qwen35_jax.layers.chunk_states import inside_recomputed_mixer
+from qwen35_jax.layers.chunk_states import inside_recomputed_mixer, resolve_gdn_chunk_scan
 from qwen35_jax.layers.delta_rule import document_index
 from qwen35_jax.layers.gdn_matmul import operand_dtype, resolve_gdn_precision
 from qwen35_jax.layers.stored_cotangent import stored_cotangent
@@ -87,13 +87,14 @@ def rule_inputs(
     """Padding zeroed, conv1d + SiLU, q and k L2-normalised (q scaled by Dk**-0.5), the gates.
 
     Without `halo` the conv window starts at the first token (zeros before it); with it the window
-    reaches into the halo tokens, stopping at document starts. `kernels` (None: on a GPU, where the
+    reaches into the halo tokens, stopping at document starts. `kernels` (None: on a GPU with the
+    Pallas chunk scan, whose fallback `gdn_chunk_scan("associative")` is then XLA throughout; where the
     sizes fit): without a halo, the conv, SiLU and norms by the Pallas kernels of `gdn_inputs_pallas`,
     q and k then in the dtype the delta rule stores them (`gdn_matmul.operand_dtype`: bfloat16 under
     bf16 GDN matmuls)."""
     B, T, _, Dk = q.shape
     if kernels is None:
-        kernels = jax.default_backend() == "gpu"
+        kernels = jax.default_backend() == "gpu" and resolve_gdn_chunk_scan() == "pallas"
     if kernels and halo is None and all(gdn_inputs_pallas.fits(T, x.shape[-1]) for x in (q, v)):
         valid, doc = document_index(segment_ids, B, T)
         qk_dtype = operand_dtype(resolve_gdn_precision())
