@@ -21,7 +21,8 @@
 #      all 24 layers, bfloat16 compute, one row of 8192 tokens: tokens/s and MFU against the H200's
 #      989 TFLOP/s dense bf16 peak ($OUT/train_step.json) and one traced step
 #      ($OUT/train_profile.xplane.pb.gz, for xprof) with its optimised HLO ($OUT/train_step_hlo.txt.gz).
-#      If the step fails, it runs again with the XLA chunk scan ($OUT/train_step_associative.json) and,
+#      If the step fails, it runs again with the XLA chunk scan, which keeps the GDN mixer's conv and
+#      norms in XLA too ($OUT/train_step_associative.json) and,
 #      failing that, also on XLA's attention and log-prob kernels ($OUT/train_step_xla.json), which
 #      tells which Pallas kernel was the cause. Else the GDN core alone at S = 8192, 16 heads of 128,
 #      forward+backward with the Pallas chunk scan at Precision.HIGHEST, DEFAULT and bf16 operands, three
