@@ -83,17 +83,31 @@ def _pre(rows: _Rows, x_ref, valid_ref, doc_ref, w_ref, t0):
     return pre, sources
 
 
-def _forward(x, w, valid, doc, l2_scale, out_dtype, interpret):
+def _layout(x: jax.Array, w: jax.Array, interpret: bool) -> tuple[int, int, int, int, int, int, int, _Rows]:
+    """(B, S, H, D, Kc, L, front, rows) of both kernels: x [B, S, H, D], w [Kc, H, D], blocks of L tokens,
+    `front` rows of padding where interpreted (module docstring)."""
     B, S, H, D = x.shape
     Kc = w.shape[0]
     L = _block(S)
     front = Kc - 1 if interpret else 0
-    rows = _Rows(S, L, front)
+    return B, S, H, D, Kc, L, front, _Rows(S, L, front)
+
+
+def _silu(pre: jax.Array, dtype) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(p, sigmoid(p), y = silu(p)) in float32, with p = pre and y rounded to `dtype` as the XLA path rounds
+    them (the conv's sum and the SiLU output are in the compute dtype there)."""
+    p = pre.astype(dtype).astype(jnp.float32)
+    sig = jax.nn.sigmoid(p)
+    return p, sig, (p * sig).astype(dtype).astype(jnp.float32)
+
+
+def _forward(x, w, valid, doc, l2_scale, out_dtype, interpret):
+    B, S, H, D, Kc, L, front, rows = _layout(x, w, interpret)
 
     def kernel(x_ref, w_ref, valid_ref, doc_ref, y_ref):
         t0 = pl.program_id(1) * L
         pre, _ = _pre(rows, x_ref, valid_ref, doc_ref, w_ref, t0)
-        y = jax.nn.silu(pre.astype(x_ref.dtype).astype(jnp.float32)).astype(x_ref.dtype).astype(jnp.float32)
+        _, _, y = _silu(pre, x_ref.dtype)
         if l2_scale is not None:
             y = y * lax.rsqrt(jnp.sum(y * y, axis=1, keepdims=True) + L2_EPS) * l2_scale
         y_ref[...] = y.astype(y_ref.dtype)
@@ -105,15 +119,11 @@ def _forward(x, w, valid, doc, l2_scale, out_dtype, interpret):
         out_shape=jax.ShapeDtypeStruct((B, S, H, D), out_dtype),
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret, name="gdn_conv_silu" if l2_scale is None else "gdn_conv_silu_l2",
-    )(*_front_padded(front, x, w, valid, doc))
+    )(_pad_front(front, x), w, _pad_front(front, valid), _pad_front(front, doc, -1))
 
 
 def _backward(x, w, valid, doc, dy, l2_scale, interpret):
-    B, S, H, D = x.shape
-    Kc = w.shape[0]
-    L = _block(S)
-    front = Kc - 1 if interpret else 0
-    rows = _Rows(S, L, front)
+    B, S, H, D, Kc, L, front, rows = _layout(x, w, interpret)
 
     def kernel(x_ref, w_ref, valid_ref, doc_ref, dy_ref, dx_ref, dw_ref):
         t0 = pl.program_id(1) * L
@@ -143,18 +153,16 @@ def _backward(x, w, valid, doc, dy, l2_scale, interpret):
                    jax.ShapeDtypeStruct((B, S // L, H, Kc, D), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret, name="gdn_conv_silu_backward" if l2_scale is None else "gdn_conv_silu_l2_backward",
-    )(*_front_padded(front, x, w, valid, doc), jnp.pad(dy, [(0, 0), (front, 0), (0, 0), (0, 0)]) if front else dy)
+    )(_pad_front(front, x), w, _pad_front(front, valid), _pad_front(front, doc, -1), _pad_front(front, dy))
     return dx, jnp.transpose(jnp.sum(dw, axis=(0, 1)), (1, 0, 2)).astype(w.dtype)  # [Kc, H, D]
 
 
 def _pre_gradient(pre, dy, dtype, l2_scale):
     """d loss / d pre [L, D] from the output's cotangent dy [L, D] (float32), through silu and, with
     l2_scale, the L2 norm; pre is rounded to `dtype` before silu and y after it, as in the forward."""
-    p = pre.astype(dtype).astype(jnp.float32)
-    sig = jax.nn.sigmoid(p)
+    p, sig, y = _silu(pre, dtype)
     dy_silu = dy
     if l2_scale is not None:
-        y = (p * sig).astype(dtype).astype(jnp.float32)
         r = lax.rsqrt(jnp.sum(y * y, axis=1, keepdims=True) + L2_EPS)
         unit = y * r
         dy_silu = l2_scale * r * (dy - unit * jnp.sum(unit * dy, axis=1, keepdims=True))
@@ -169,11 +177,10 @@ def _in_specs(rows: int, Kc: int, D: int) -> list:
             pl.BlockSpec((None, rows), lambda b, c, h: (b, 0))]
 
 
-def _front_padded(front: int, x, w, valid, doc):
+def _pad_front(front: int, a: jax.Array, fill: int = 0) -> jax.Array:  # [B, S, ...] -> [B, front + S, ...]
     if not front:
-        return x, w, valid, doc
-    return (jnp.pad(x, [(0, 0), (front, 0), (0, 0), (0, 0)]), w, jnp.pad(valid, [(0, 0), (front, 0)]),
-            jnp.pad(doc, [(0, 0), (front, 0)], constant_values=-1))
+        return a
+    return jnp.pad(a, [(0, 0), (front, 0)] + [(0, 0)] * (a.ndim - 2), constant_values=fill)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
