@@ -1,6 +1,7 @@
 """The GDN input pieces shared by the layer and the state-passing path, the conv gradient stored once,
 the import order they allow, and the Pallas kernels that run the conv, SiLU and L2 norms on a GPU."""
 
+import functools
 import subprocess
 import sys
 
@@ -97,11 +98,26 @@ def _xla_inputs_path(x, w, seg, scale):
     return y if scale is None else l2_normalize(y) * scale
 
 
+def _float64_inputs_path(x, w, valid, doc, scale):
+    """The same in plain jnp on float64 arrays (under jax.enable_x64; the library's XLA path computes in
+    float32 whatever it is given): padding zeroed, the conv tap by tap within documents, SiLU, the L2
+    norm (eps 1e-6) times scale."""
+    Kc, S = w.shape[0], x.shape[1]
+    x = jnp.where(valid[..., None, None], x, 0.0)
+    pre = 0.0
+    for s in range(Kc):  # tap s reads token t - s with w[Kc - 1 - s]
+        past = jnp.pad(x, [(0, 0), (s, 0), (0, 0), (0, 0)])[:, :S]
+        same = jnp.pad(doc, [(0, 0), (s, 0)], constant_values=-1)[:, :S] == doc
+        pre = pre + jnp.where(same[..., None, None], past, 0.0) * w[Kc - 1 - s]
+    y = pre / (1.0 + jnp.exp(-pre))
+    return y if scale is None else y / jnp.sqrt(jnp.sum(y * y, axis=-1, keepdims=True) + 1e-6) * scale
+
+
 @pytest.mark.parametrize("scale", [None, 0.25], ids=["v", "q"])
 def test_pallas_conv_silu_matches_float64(scale):
-    """The fused conv + SiLU (+ L2 norm) kernels, interpreted, against the XLA path evaluated in
-    float64 (documents, padding inside and at the end, blocks of 16 tokens so the conv reads across
-    block edges): outputs and the gradients of x and the conv kernel. float32 lands within 2e-7 of
+    """The fused conv + SiLU (+ L2 norm) kernels, interpreted, against the same computation in float64
+    (`_float64_inputs_path`; documents, padding inside and at the end, blocks of 16 tokens so the conv
+    reads across block edges): outputs and the gradients of x and the conv kernel. float32 lands within 2e-7 of
     each result's largest entry; 2e-6 allows another CPU's rounding, not a lost tap or a document
     edge crossed (1e-2 and more)."""
     from qwen35_jax.layers.delta_rule import document_index
@@ -115,9 +131,10 @@ def test_pallas_conv_silu_matches_float64(scale):
 
     with jax.enable_x64(True):
         x64, w64, ct64 = (jnp.asarray(np.asarray(a, np.float64)) for a in (x, w, ct))
-        want = [np.asarray(_xla_inputs_path(x64, w64, seg, scale))]
-        want += [np.asarray(g) for g in jax.grad(lambda x, w: jnp.sum(_xla_inputs_path(x, w, seg, scale) * ct64),
-                                                 (0, 1))(x64, w64)]
+        ref = functools.partial(_float64_inputs_path, valid=jnp.asarray(valid), doc=jnp.asarray(doc), scale=scale)
+        want = [np.asarray(ref(x64, w64))]
+        want += [np.asarray(g) for g in jax.grad(lambda x, w: jnp.sum(ref(x, w) * ct64), (0, 1))(x64, w64)]
+    assert want[0].dtype == np.float64
     got = [pallas(x, w)] + list(jax.grad(lambda x, w: jnp.sum(pallas(x, w) * ct), (0, 1))(x, w))
     for g, r in zip(got, want):
         assert g.shape == r.shape
@@ -152,10 +169,12 @@ def test_pallas_conv_silu_rounds_bf16_where_the_xla_path_does():
             assert np.abs(np.asarray(got.astype(jnp.float32), np.float64) - want).max() <= 2**-7 * np.abs(want).max()
 
 
-def test_rule_inputs_by_kernels_equal_the_xla_path():
-    """rule_inputs with the kernels (what a GPU runs without a conv halo) against its XLA path: q, k, v
-    and the gates, same dtypes (float32 q, k under float32 GDN matmuls); within 1e-6 of the largest
-    entry (both float32)."""
+def test_rule_inputs_by_kernels_match_float64():
+    """rule_inputs with the kernels (what a GPU runs without a conv halo): q, k, v against
+    `_float64_inputs_path` (q scaled by Dk**-0.5), the gates against NumPy float64, dtypes and shapes
+    those of its XLA path (float32 q, k under float32 GDN matmuls). float32 lands within 2e-7 of each
+    result's largest entry; 2e-6 allows another CPU's rounding, not a swapped tensor or scale."""
+    from qwen35_jax.layers.delta_rule import document_index
     from qwen35_jax.layers.gdn_inputs import rule_inputs
 
     rng = np.random.default_rng(2)
@@ -164,12 +183,22 @@ def test_rule_inputs_by_kernels_equal_the_xla_path():
     v = jnp.asarray(rng.normal(size=(B, S, Hv, D)), jnp.float32)
     b, a = (jnp.asarray(rng.normal(size=(B, S, Hv)), jnp.float32) for _ in range(2))
     convs = [jnp.asarray(rng.normal(size=(4, h, D)) * 0.5, jnp.float32) for h in (Hk, Hk, Hv)]
-    A_log, dt_bias = jnp.zeros((Hv,)), jnp.zeros((Hv,))
+    A_log, dt_bias = jnp.asarray(rng.normal(size=Hv), jnp.float32), jnp.asarray(rng.normal(size=Hv), jnp.float32)
     seg = jnp.asarray(np.r_[np.ones(12), np.full(17, 2), np.zeros(3)].astype(np.int32)[None])
-    outs = [rule_inputs(q, k, v, b, a, *convs, A_log, dt_bias, seg, kernels=use) for use in (False, True)]
-    for want, got in zip(*outs):
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert np.abs(np.asarray(got) - np.asarray(want)).max() <= 1e-6 * np.abs(np.asarray(want)).max()
+    args = (q, k, v, b, a, *convs, A_log, dt_bias, seg)
+    got, xla = rule_inputs(*args, kernels=True), rule_inputs(*args, kernels=False)
+    valid, doc = document_index(seg, B, S)
+    with jax.enable_x64(True):
+        f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, *convs)]
+        ref = functools.partial(_float64_inputs_path, valid=jnp.asarray(valid), doc=jnp.asarray(doc))
+        want = [np.asarray(ref(f64[0], f64[3], scale=D**-0.5)), np.asarray(ref(f64[1], f64[4], scale=1.0)),
+                np.asarray(ref(f64[2], f64[5], scale=None))]
+    b64, a64 = np.asarray(b, np.float64), np.asarray(a, np.float64)
+    softplus = np.log1p(np.exp(a64 + np.asarray(dt_bias, np.float64)))
+    want += [-np.exp(np.asarray(A_log, np.float64)) * softplus, 1 / (1 + np.exp(-b64))]  # g, beta
+    for g, x, r in zip(got, xla, want):
+        assert g.dtype == x.dtype and g.shape == x.shape == r.shape
+        assert np.abs(np.asarray(g, np.float64) - r).max() <= 2e-6 * np.abs(r).max()
 
 
 def test_pallas_conv_silu_lowers_for_gpu():
