@@ -33,9 +33,9 @@ from qwen35_jax.layers.triangular import unit_lower_inverse
 _HI = jax.lax.Precision.HIGHEST
 
 
-def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state, *, repeat_keys=True, cast_v=True):
-    """Validate shapes, cast to float32 (v only if `cast_v`), repeat key heads onto value heads (if asked);
-    make doc index/valid."""
+def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state, *, repeat_keys=True, cast_qkv=True):
+    """Validate shapes, cast to float32 (q, k, v only if `cast_qkv`), repeat key heads onto value heads
+    (if asked); make doc index/valid."""
     if q.ndim != 4 or k.shape != q.shape:
         raise ValueError(f"q and k must both be [B, S, Hk, Dk], got q {q.shape} and k {k.shape}")
     B, S, Hk, Dk = q.shape
@@ -53,8 +53,9 @@ def _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state, *, repeat_k
         raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {segment_ids.shape}")
 
     f32 = jnp.float32
-    q, k, g, beta = (x.astype(f32) for x in (q, k, g, beta))
-    v = v.astype(f32) if cast_v else v
+    g, beta = g.astype(f32), beta.astype(f32)
+    if cast_qkv:
+        q, k, v = (x.astype(f32) for x in (q, k, v))
     if repeat_keys and Hv != Hk:
         q = jnp.repeat(q, Hv // Hk, axis=2)  # [B, S, Hv, Dk]
         k = jnp.repeat(k, Hv // Hk, axis=2)
@@ -145,9 +146,8 @@ def chunked_gated_delta_rule(
                                 segment_ids=segment_ids, initial_state=initial_state, chunk_size=chunk_size,
                                 tile=tile)
     prec = resolve_gdn_precision(precision)
-    q_in, k_in = q, k  # the Pallas rule takes them in the dtype it stores them (below), not via float32
     q, k, v, g, beta, valid, doc, state = _check_and_prepare(q, k, v, g, beta, segment_ids, initial_state,
-                                                             repeat_keys=False, cast_v=False)
+                                                             repeat_keys=False, cast_qkv=False)
     B, S, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     G = Hv // Hk
@@ -155,8 +155,10 @@ def chunked_gated_delta_rule(
     scan = chunk_scan_for(chunk_scan, Dk, Dv, L)
     pallas_rule = scan == "pallas" and (jax.default_backend() != "gpu" or local_kernel_fits(Dk, Dv, L))
     # The end-to-end Pallas rule reads v in its own dtype (the compute dtype's bytes, the same float32
-    # values in registers) and returns its gradient in it, where a float32 cast would be two more passes.
-    v = v if pallas_rule else v.astype(jnp.float32)
+    # values in registers) and returns its gradient in it, where a float32 cast would be two more passes;
+    # q and k it takes in the dtype it stores them (below).
+    if not pallas_rule:
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     pad = (-S) % L
     n = (S + pad) // L
 
@@ -192,7 +194,7 @@ def chunked_gated_delta_rule(
         # Under bf16 operands every product rounds q and k to bfloat16: stored so, half their bytes (the
         # cast fuses into the L2 norm that makes them); their gradients come back in bfloat16 too.
         qk = operand_dtype(prec)
-        out, state = pallas_chunked_rule(padded(q_in.astype(qk)), padded(k_in.astype(qk)), padded(v),
+        out, state = pallas_chunked_rule(padded(q.astype(qk)), padded(k.astype(qk)), padded(v),
                                          *(value_heads(x) for x in (cum, beta, read, write)), key,
                                          value_heads(chunk_decay), state, prec, out_dtype=out_dtype)
         return out[:, :S], state  # [B, S, Hv, Dv]
