@@ -12,15 +12,17 @@ from typing import Any, Mapping
 LAYER_KINDS = ("linear_attention", "full_attention")
 DTYPES = ("float32", "bfloat16", "float16")
 # Activation checkpointing of the decoder stack (docs/parallelism.md, "Remat policies"):
-#   auto    the trainer's default: "none" when its compiled step fits the device, else "full"
-#           (train/remat_choice.py); a model used on its own treats it as "full"
+#   auto    the trainer's default: the first of "none", "mlp", "full" whose compiled step fits the
+#           device (train/remat_choice.py); a model used on its own treats it as "full"
 #   none    keep every activation of the forward for the backward
+#   mlp     as none, but recompute each layer's feed-forward (RMSNorm + MLP or MoE block) in its
+#           backward: no [tokens, intermediate] activations are kept
 #   full    recompute each block of `block_period` layers in the backward; keep block inputs only
 #   dots    like full, but keep the outputs of the matmuls (recompute only the elementwise work)
 #   layer   recompute one layer at a time; keep every layer's input
 #   nested  keep block inputs; in a block's backward keep its layers' inputs, recompute one layer at a time
 #   offload nested, with the layers' inputs kept in pinned host memory instead of the device's
-REMAT_POLICIES = ("auto", "none", "full", "dots", "layer", "nested", "offload")
+REMAT_POLICIES = ("auto", "none", "mlp", "full", "dots", "layer", "nested", "offload")
 # matmul precisions of the GDN chunked form (qwen35_jax/layers/gdn_matmul.py)
 GDN_PRECISIONS = ("auto", "highest", "high", "default", "bf16")
 # --scan-layers / config-file text -> Qwen35Config.scan_layers

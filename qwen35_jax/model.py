@@ -39,6 +39,7 @@ class DecoderLayer(nnx.Module):
             raise ValueError(f"unknown layer kind {kind!r}")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, param_dtype=pd)
         self.mlp = SparseMoeBlock(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
+        self.recompute_mlp = config.remat == "mlp"  # the MoE block reads the same setting itself
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """x: [B, S, D], cos/sin: [B, S, R], segment_ids: [B, S] -> [B, S, D]"""
@@ -50,7 +51,8 @@ class DecoderLayer(nnx.Module):
         x = constrain(x + h, ACT_BSD)
         if isinstance(self.mlp, SparseMoeBlock):  # tiles its own tokens inside token_local
             return constrain(x + token_local(self.mlp, self.post_attention_layernorm(x)), ACT_BSD)
-        return constrain(tiled_over_sequence(DecoderLayer.feed_forward, self, x), ACT_BSD)
+        return constrain(tiled_over_sequence(DecoderLayer.feed_forward, self, x, recompute=self.recompute_mlp),
+                         ACT_BSD)
 
     def feed_forward(self, x: jax.Array) -> jax.Array:
         """x + mlp(post_attention_layernorm(x)): token-local, so it may run tile by tile. [B, S, D] -> [B, S, D]"""
@@ -96,15 +98,17 @@ class Block(nnx.Module):
 
 
 EMBED_SCOPE = "embed_lookup"
+UNROLLABLE_REMAT = ("none", "mlp")  # policies under which GPU runs the blocks one after another
 
 
 def scans_layers(config: Qwen35Config, backend: str | None = None) -> bool:
     """`config.scan_layers` with "auto" resolved for `backend` (None: this one), read at trace time:
-    one after another only on GPU and only without recomputation (remat "none"). The scan orders a
-    recomputing backward block by block; unrolled, XLA is free to start every block's backward
-    buffers at once (the 0.8B at 4 x 8,192 tokens under "full": 29.7 GiB scanned, 47.7 unrolled)."""
+    one after another only on GPU and only where no block is recomputed (remat "none" or "mlp"). The
+    scan orders a recomputing backward block by block; unrolled, XLA is free to start every block's
+    backward buffers at once (the 0.8B at 4 x 8,192 tokens under "full": 29.7 GiB scanned, 47.7
+    unrolled). "mlp" recomputes one layer's feed-forward inside that layer's backward only."""
     if config.scan_layers == "auto":
-        return (backend or jax.default_backend()) != "gpu" or config.remat != "none"
+        return (backend or jax.default_backend()) != "gpu" or config.remat not in UNROLLABLE_REMAT
     return bool(config.scan_layers)
 
 

@@ -32,13 +32,13 @@ TRITON_ATTENTION = {"mha_forward", "mha_preprocess_backward", "mha_backward"}
 GDN_INPUT_KERNELS = {"gdn_conv_silu", "gdn_conv_silu_l2", "gdn_conv_silu_backward", "gdn_conv_silu_l2_backward"}
 
 
-# remat "none": the blocks one after another (the GPU's default layout then); "full": scanned
+# remat "none" and "mlp": the blocks one after another (the GPU's default layout then); "full": scanned
 # tile: the long-context sequence tiling (`tiling.sequence_tile`): 2 tiles of the GDN layers' 256 tokens
 # under all-to-all; 2 tiles of each 128-token shard under state passing (its two sweeps)
 @pytest.mark.parametrize("preset, attention, gdn_precision, gdn_mode, lm_head, remat, seq, tile", [
     ("tiny", "auto", None, "all_to_all", "gather", "none", 256, None),
     ("tiny", "cudnn", "bf16", "all_to_all", "gather", "full", 256, None),
-    ("tiny-moe", "auto", None, "state_passing", "vocab_parallel", "full", 256, None),
+    ("tiny-moe", "auto", None, "state_passing", "vocab_parallel", "mlp", 256, None),
     ("tiny", "auto", None, "all_to_all", "gather", "full", 256, 128),
     ("tiny", "auto", None, "state_passing", "gather", "full", 512, 64),
 ])

@@ -94,7 +94,7 @@ def no_remat_reference():
     return value_and_grads(tiny(remat="none"), *batch(2, 13))
 
 
-@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow),
+@pytest.mark.parametrize("policy", [pytest.param("full", marks=pytest.mark.slow), "mlp",
                                     pytest.param("dots", marks=pytest.mark.slow), "layer", "nested", "offload"])
 def test_remat_policy_equals_no_remat(policy):
     if policy == "offload":
@@ -103,6 +103,50 @@ def test_remat_policy_equals_no_remat(policy):
     got = value_and_grads(tiny(remat=policy), *batch(2, 13))
     assert_close(got[0], want[0], "hidden")
     assert_trees_close(got[1], want[1])
+
+
+@pytest.mark.slow
+def test_mlp_remat_of_the_moe_block_equals_no_remat():
+    tokens, seg = batch(2, 13)
+    want = value_and_grads(tiny(moe=True, blocks=1, remat="none"), tokens, seg)
+    got = value_and_grads(tiny(moe=True, blocks=1, remat="mlp"), tokens, seg)
+    assert_close(got[0], want[0], "hidden")
+    assert_trees_close(got[1], want[1])
+
+
+def test_mlp_remat_keeps_no_feed_forward_activations():
+    """Compile-time memory of the train step: "mlp" holds none of the [T, intermediate] activations
+    that "none" keeps for every layer (gate, up and their product, float32 on CPU: 3 x 4 x 4 x T x
+    I bytes at least, less one layer's that the backward recomputes at a time)."""
+    from qwen35_jax.memory.step_memory import step_memory
+
+    seq, inter = 256, 1024
+    devices = jax.devices()[:1]
+    none, mlp = (step_memory(tiny(blocks=1, remat=policy).replace(intermediate_size=inter), seq, (1, 1),
+                             devices=devices) for policy in ("none", "mlp"))
+    assert none.arguments == mlp.arguments
+    kept = 3 * 4 * 4 * seq * inter  # 4 layers
+    assert none.total - mlp.total >= 0.75 * kept, (none.total, mlp.total, kept)
+
+
+def test_tiled_feed_forward_is_recomputed_once():
+    """`recompute=True` wraps the untiled feed-forward in one checkpoint; tiled work is recomputed by
+    the tile loop already and gains no second one."""
+    from qwen35_jax.layers.tiling import tiled_over_sequence
+
+    graphdef, state = nnx.split(nnx.Linear(8, 8, rngs=nnx.Rngs(0)))
+    x = jnp.ones((1, 32, 8))
+
+    def jaxpr(recompute: bool, tile: int | None) -> str:
+        def loss(state, x):
+            y = tiled_over_sequence(lambda layer, x: jnp.tanh(layer(x)), nnx.merge(graphdef, state), x,
+                                    recompute=recompute)
+            return jnp.sum(y)
+        with sequence_tile(tile):
+            return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x))
+
+    assert jaxpr(False, None).count("remat") == 0 and jaxpr(True, None).count("remat") > 0
+    assert jaxpr(True, 8) == jaxpr(False, 8)
 
 
 def test_layer_remat_checkpoints_every_layer():

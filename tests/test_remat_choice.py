@@ -1,7 +1,7 @@
-"""remat "auto": the trainer keeps the step without recomputation when it fits the device, else "full".
+"""remat "auto": the trainer keeps the first of "none", "mlp", "full" whose step fits the device.
 
-The chooser is tested on two stand-in steps whose compiled memory differs by a known buffer, so the
-limit can be put on either side of it; the trainer test checks that a real run reports its choice.
+The chooser is tested on three stand-in steps whose compiled memory differs by known buffers, so the
+limit can be put between them; the trainer test checks that a real run reports its choice.
 """
 
 from __future__ import annotations
@@ -13,26 +13,29 @@ import pytest
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.memory.budget import step_budget
-from qwen35_jax.train.remat_choice import (AUTO_REMAT_HEADROOM, AutoRematStep, compiled_bytes, device_memory_bytes,
-                                           make_config_train_step)
+from qwen35_jax.train.remat_choice import (AUTO_REMAT_HEADROOM, AUTO_REMAT_LADDER, AutoRematStep, compiled_bytes,
+                                           device_memory_bytes, make_config_train_step)
 
 N = 1 << 16  # float32 elements of each argument
-T = 1024  # the stand-in temporary is [T, T] float32, 4 MiB
+T = 1024  # the stand-in temporaries: [T, T] float32 (4 MiB) under "none", [T, T / 4] under "mlp"
 
 
 def stand_in_steps(built: list[str]):
-    """make_step(policy): "none" holds a [T, T] temporary that "full" does not; both return p + o + b."""
+    """make_step(policy): "none" holds a [T, T] temporary, "mlp" a quarter of it, "full" none; all
+    three return p + o + b."""
 
-    def none(p, o, b):
-        product = jnp.outer(p[:T], o[:T]) @ b[:T]  # the [T, T] outer product is a matmul operand: a buffer
-        return p + o + b + jnp.sum(product) * 0.0
+    def with_temporary(cols: int):
+        def step(p, o, b):
+            product = jnp.outer(p[:T], o[:cols]) @ b[:cols]  # the outer product is a matmul operand: a buffer
+            return p + o + b + jnp.sum(product) * 0.0
+        return step
 
     def full(p, o, b):
         return p + o + b
 
     def make_step(policy: str):
         built.append(policy)
-        return jax.jit({"none": none, "full": full}[policy])
+        return jax.jit({"none": with_temporary(T), "mlp": with_temporary(T // 4), "full": full}[policy])
 
     return make_step
 
@@ -41,32 +44,60 @@ def args():
     return tuple(jnp.full((N,), float(i)) for i in range(3))
 
 
+def needs(policy: str) -> int:
+    return compiled_bytes(stand_in_steps([])(policy).lower(*args()).compile())
+
+
 def test_fitting_step_compiles_once_without_recomputation():
     built, logged = [], []
     step = AutoRematStep(stand_in_steps(built), limit_bytes=1 << 40, log=logged.append)
     out = step(*args())
     assert step.policy == "none" and built == ["none"]
     np.testing.assert_array_equal(np.asarray(out), np.full(N, 3.0))
-    assert step.needed_bytes == compiled_bytes(stand_in_steps([])("none").lower(*args()).compile())
+    assert step.needed == {"none": needs("none")}
     step(*args())  # later calls reuse the compiled program
     assert built == ["none"] and len(logged) == 1 and "auto -> none" in logged[0] and "within" in logged[0]
 
 
-def test_step_over_the_limit_falls_back_to_full():
-    built, logged = [], []
-    probe = AutoRematStep(stand_in_steps([]), limit_bytes=1 << 40)
-    probe(*args())
-    needed = probe.needed_bytes
-    assert needed >= T * T * 4  # the temporary is counted
-    limit = int(needed / AUTO_REMAT_HEADROOM) - 1  # just too small for "none"
-    step = AutoRematStep(stand_in_steps(built), limit_bytes=limit, log=logged.append,
-                         describe=lambda policy: f"what {policy} runs")
-    np.testing.assert_array_equal(np.asarray(step(*args())), np.full(N, 3.0))
-    assert step.policy == "full" and built == ["none", "full"] and step.needed_bytes == needed
-    assert "auto -> full (what full runs):" in logged[0] and "over" in logged[0]
-    just_enough = AutoRematStep(stand_in_steps([]), limit_bytes=int(needed / AUTO_REMAT_HEADROOM) + 1)
-    just_enough(*args())
-    assert just_enough.policy == "none"
+def test_step_over_the_limit_climbs_the_ladder():
+    none, mlp = needs("none"), needs("mlp")
+    assert none - mlp >= T * T * 4 * 3 // 4  # the temporaries are counted
+    assert AUTO_REMAT_LADDER == ("none", "mlp", "full")
+
+    def choose(limit: int) -> tuple[AutoRematStep, list[str], list[str]]:
+        built, logged = [], []
+        step = AutoRematStep(stand_in_steps(built), limit_bytes=limit, log=logged.append,
+                             describe=lambda policy: f"what {policy} runs")
+        np.testing.assert_array_equal(np.asarray(step(*args())), np.full(N, 3.0))
+        return step, built, logged
+
+    step, built, logged = choose(int(none / AUTO_REMAT_HEADROOM) - 1)  # just too small for "none"
+    assert step.policy == "mlp" and built == ["none", "mlp"] and step.needed == {"none": none, "mlp": mlp}
+    assert logged[0].startswith("remat auto -> mlp (what mlp runs): without recomputation the step needs")
+    assert "over" in logged[0] and "under 'mlp' the step needs" in logged[0] and "within" in logged[0]
+
+    step, built, logged = choose(int(mlp / AUTO_REMAT_HEADROOM) - 1)  # too small for "mlp" as well
+    assert step.policy == "full" and built == ["none", "mlp", "full"]
+    assert "auto -> full (what full runs):" in logged[0] and "within" not in logged[0]
+
+    step, built, _ = choose(int(mlp / AUTO_REMAT_HEADROOM) + 1)
+    assert step.policy == "mlp"
+
+
+def test_a_step_the_compiler_refuses_counts_as_not_fitting():
+    def make_step(policy: str):
+        if policy == "none":
+            class Refused:
+                def lower(self, *args):
+                    raise jax.errors.JaxRuntimeError("RESOURCE_EXHAUSTED: out of memory while compiling")
+            return Refused()
+        return stand_in_steps([])(policy)
+
+    logged = []
+    step = AutoRematStep(make_step, limit_bytes=1 << 40, log=logged.append)
+    step(*args())
+    assert step.policy == "mlp" and step.needed == {"none": None, "mlp": needs("mlp")}
+    assert "without recomputation the step needs more than the compiler could fit" in logged[0]
 
 
 def test_explicit_policy_is_a_plain_jitted_step():

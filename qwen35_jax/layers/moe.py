@@ -58,6 +58,7 @@ class Experts(nnx.Module):
 class SparseMoeBlock(nnx.Module):
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.recompute = config.remat == "mlp"  # recomputed in the backward even where not tiled
         lin = dict(use_bias=False, dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
                    rngs=rngs, kernel_init=nnx.initializers.normal(0.02))
         self.gate = Linear(config.hidden_size, config.num_experts, **lin)  # router
@@ -67,7 +68,7 @@ class SparseMoeBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, S, D] -> [B, S, D]; long sequences tile by tile (routing is per token)."""
-        return tiled_over_sequence(SparseMoeBlock.route_and_mix, self, x)
+        return tiled_over_sequence(SparseMoeBlock.route_and_mix, self, x, recompute=self.recompute)
 
     def route_and_mix(self, x: jax.Array) -> jax.Array:  # [B, S, D] -> [B, S, D]
         b, s, d = x.shape

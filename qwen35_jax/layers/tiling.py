@@ -48,11 +48,12 @@ def current_sequence_tile() -> int | None:
 
 
 def tiled_over_sequence(fn: Callable[[Any, jax.Array], jax.Array], module: nnx.Module,
-                        x: jax.Array) -> jax.Array:  # [B, S, D] -> [B, S, D]
+                        x: jax.Array, *, recompute: bool = False) -> jax.Array:  # [B, S, D] -> [B, S, D]
     """`fn(module, x)` tile by tile along S; under a mesh each device tiles its own [B, S/sp, D] shard.
 
     `fn` must be token-local (token t of the output depends on token t of the input only) and keep
     the shape. Each tile's forward is rematerialised in the backward; only the tiles' inputs are kept.
+    `recompute`: rematerialise `fn` also where the sequence fits one tile (remat "mlp"), keeping x only.
     """
     tile = current_sequence_tile()
     b, s, d = x.shape
@@ -62,7 +63,7 @@ def tiled_over_sequence(fn: Callable[[Any, jax.Array], jax.Array], module: nnx.M
         sp = 1
     local = s // sp
     if tile is None or local <= tile:
-        return fn(module, x)
+        return nnx.remat(fn)(module, x) if recompute else fn(module, x)
     n = -(-local // tile)
     graphdef, state = nnx.split(module)
     xs = x.reshape(b, sp, local, d)

@@ -67,7 +67,7 @@ def step_budget(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *, 
     """Per-device bytes by component for one [batch, seq] train step under `config.remat`."""
     if config.remat == "auto":
         raise ValueError("remat 'auto' is chosen by the trainer at its first step; budget a policy: "
-                         "'none' or 'full' (what auto picks from)")
+                         "'none', 'mlp' or 'full' (what auto picks from)")
     fsdp, sp = mesh_shape
     n = fsdp * sp
     b = fsdp if batch is None else batch
@@ -86,13 +86,15 @@ def step_budget(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *, 
     mlp_tokens = t if tile is None else min(t, tile)
     boundaries = {
         "none": c.num_hidden_layers * (per_layer + 3 * width * BF16),
+        "mlp": c.num_hidden_layers * (per_layer + d * BF16),  # the feed-forward's input instead of its insides
         "full": c.num_blocks * d * BF16,
         "dots": c.num_blocks * d * BF16,
         "layer": c.num_hidden_layers * d * BF16,
         "nested": (c.num_blocks + c.block_period) * d * BF16,
         "offload": c.num_blocks * d * BF16,
     }[c.remat]
-    recompute_layers = {"none": 0, "full": c.block_period, "dots": c.block_period}.get(c.remat, 1)
+    recompute_layers = {"none": 0, "mlp": 0, "full": c.block_period, "dots": c.block_period}.get(c.remat, 1)
+    mlp_recomputed = {"none": 0, "mlp": 1}.get(c.remat, recompute_layers)  # feed-forwards alive at once
     return {
         "parameters (float32)": F32 * p_total // n,
         "gradients (float32)": F32 * p_total // n,
@@ -101,6 +103,6 @@ def step_budget(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *, 
         "lm_head gathered + its gradient (loss)": 2 * F32 * head,
         "remat boundaries": boundaries * t,
         "layer recompute (mixer)": recompute_layers * per_layer * t * 2,  # activations and cotangents
-        "mlp tile": recompute_layers * mlp_tokens * 3 * width * BF16 * 2,
+        "mlp tile": mlp_recomputed * mlp_tokens * 3 * width * BF16 * 2,
         "residual stream + cotangent": 2 * t * d * F32,
     }

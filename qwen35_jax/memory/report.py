@@ -34,7 +34,7 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
     measurable = tuple(policy for policy in REMAT_POLICIES if policy != "auto")
     if remat not in measurable:
         raise ValueError(f"--remat {remat!r}: measure one of {measurable} ('auto' is the trainer's "
-                         "choice between 'none' and 'full' at its first step)")
+                         "choice among 'none', 'mlp' and 'full' at its first step)")
     if gdn_mode not in GDN_MODES:
         raise ValueError(f"--gdn-mode {gdn_mode!r} is not one of {GDN_MODES}")
     if target is not None and target not in GPU_TARGETS:

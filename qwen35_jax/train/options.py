@@ -86,9 +86,9 @@ class TrainOptions:
     param_dtype: str = _opt("float32", "master weights and optimizer state dtype", "precision")
     compute_dtype: str | None = _opt(None, "matmul/activation dtype (default: bfloat16 on GPU/TPU, float32 on CPU)",
                                      "precision")
-    remat: str | None = _opt(None, "activation recomputation: auto, none, full, dots, layer, nested, offload "
-                                   "(docs/parallelism.md; default: the model config's, auto: none when the "
-                                   "step fits the device, else full)", "precision")
+    remat: str | None = _opt(None, "activation recomputation: auto, none, mlp, full, dots, layer, nested, "
+                                   "offload (docs/parallelism.md; default: the model config's, auto: the first "
+                                   "of none, mlp, full whose step fits the device)", "precision")
     scan_layers: str = _opt("auto", "the model's blocks as one lax.scan (true: short compile) or one after "
                                     "another (false: faster step); auto: false on GPU, true elsewhere", "precision")
     # --- kernels and parallelism (fallbacks without editing code)
