@@ -84,6 +84,49 @@ def test_roofline_takes_the_slower_of_bytes_and_flops_at_the_dots_precision():
     assert [r["name"] for r in rows] == ["matmul", "fusion"] and rows[0]["roofline_ms"] == pytest.approx(2.0)
 
 
+# the lines XLA:GPU prints for a Pallas/Triton call and a cuDNN attention call, cut to what is read
+KERNEL_CALLS = """HloModule step
+
+ENTRY %main (q: bf16[2,1024,8,128], k: bf16[2,1024,8,128], h: bf16[512,256], w: bf16[256,4096]) -> f32[512,1] {
+  %q = bf16[2,1024,8,128]{3,2,1,0} parameter(0)
+  %k = bf16[2,1024,8,128]{3,2,1,0} parameter(1)
+  %h = bf16[512,256]{1,0} parameter(2)
+  %w = bf16[256,4096]{1,0} parameter(3)
+  %pallas_call.1 = (bf16[2,1024,8,128]{3,2,1,0}, f32[2,8,1024]{2,1,0}) custom-call(%q, %k, %k), \
+custom_call_target="__gpu$xla.gpu.triton", backend_config={debug = false, grid_x = 8 : i32, ir = "...", \
+name = "mha_forward", num_stages = 2 : i32, num_warps = 4 : i32}
+  %pallas_call.2 = (bf16[2,1024,8,128]{3,2,1,0}, bf16[2,1024,8,128]{3,2,1,0}, bf16[2,1024,8,128]{3,2,1,0}) \
+custom-call(%q, %k, %k, %q), custom_call_target="__gpu$xla.gpu.triton", backend_config={name = "mha_backward"}
+  %cudnn.1 = (bf16[2,8,1024,128]{3,1,2,0}, f32[2,8,1024]{2,1,0}, u8[0]{0}) custom-call(%q, %k, %k), \
+custom_call_target="__cudnn$fmhaSoftmax"
+  %pallas_call.3 = f32[512,1]{1,0} custom-call(%h, %w), custom_call_target="__gpu$xla.gpu.triton", \
+backend_config={name = "logprob_forward"}
+  %pallas_call.4 = (f32[512,256]{1,0}, f32[256,4096]{1,0}) custom-call(%h, %w), \
+custom_call_target="__gpu$xla.gpu.triton", backend_config={name = "logprob_backward"}
+  ROOT %pallas_call.5 = f32[512,1]{1,0} custom-call(%h, %w), custom_call_target="__gpu$xla.gpu.triton", \
+backend_config={name = "gdn_chunk_states"}
+}
+""".replace("\\\n", "")
+
+
+def test_attention_and_logit_kernels_count_their_flops():
+    """The arithmetic of the kernels in KERNEL_FLOPS, from their shapes: causal attention with q of
+    [B, S, H, D] = [2, 1024, 8, 128] (cuDNN's output [B, H, S, D]) is 2 (forward) or 5 (backward)
+    products of 2 S^2 D FLOPs per head, half of them under the diagonal; the logits 2 T D V (a
+    backward three times: the logits again, dh, dW). Other Pallas kernels count no FLOPs."""
+    kernels = {k.name: k for k in census(KERNEL_CALLS)}
+    one_product = 2 * 2 * 8 * 1024 * 1024 * 128 // 2
+    assert kernels["pallas_call.1"].flops == 2 * one_product
+    assert kernels["pallas_call.2"].flops == 5 * one_product
+    assert kernels["cudnn.1"].flops == 2 * one_product
+    assert kernels["pallas_call.3"].flops == 2 * 512 * 256 * 4096
+    assert kernels["pallas_call.4"].flops == 3 * 2 * 512 * 256 * 4096  # the logits again, dh, dW
+    assert kernels["pallas_call.5"].flops == 0
+    assert {k.category for k in kernels.values()} == {"custom"} and kernels["pallas_call.1"].dot == "bf16"
+    h200 = DEVICE_PEAKS["h200"]
+    assert roofline_seconds(kernels["pallas_call.2"], h200) == pytest.approx(5 * one_product / h200.bf16_flops)
+
+
 def test_parse_errors_name_the_problem():
     with pytest.raises(ValueError, match="no ENTRY computation"):
         parse_module("HloModule m\n")

@@ -370,8 +370,8 @@ def test_api_pallas_backends_interpret_on_cpu(backend):
 @pytest.mark.parametrize(
     "layout, platform, kernels",
     [
-        ("gpu", "cuda", {"_gpu_fwd_kernel", "_gpu_bwd_kernel"}),
-        ("tpu", "tpu", {"_tpu_fwd_kernel", "_tpu_dh_kernel", "_tpu_dw_kernel"}),
+        ("gpu", "cuda", {"logprob_forward", "logprob_backward"}),
+        ("tpu", "tpu", {"logprob_forward", "logprob_backward_dh", "logprob_backward_dw"}),
     ],
 )
 @pytest.mark.parametrize("shape, w_dtype", [((1000, 512, 5003), jnp.bfloat16), ((8192, 4096, 248320), jnp.bfloat16),

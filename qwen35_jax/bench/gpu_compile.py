@@ -113,7 +113,8 @@ def census_report(hlo_text: str, target: str, model_flops: float, *, top: int = 
     say(f"\nkernels per step, roofline at {peaks.name} datasheet rates ({peaks.memory_bandwidth / 1e12:.2f} TB/s, "
         f"{peaks.bf16_flops / 1e12:.0f} bf16 TFLOP/s):")
     say(markdown_table(["category", "launches", "GB", "TFLOP", "roofline ms"], rows(categories)))
-    say(f"lower bound {bound_s * 1e3:.1f} ms a step (Pallas/Triton kernels by their bytes only): "
+    say(f"lower bound {bound_s * 1e3:.1f} ms a step (attention and log-prob kernels by their FLOPs too, "
+        "GDN kernels by their bytes): "
         f"MFU at most {100 * mfu_bound:.1f}% ({model_flops / 1e12:.1f} model TFLOP per device)")
     say("\nby model part (every category):")
     say(markdown_table(["part", "launches", "GB", "TFLOP", "roofline ms"], rows(parts)))

@@ -12,8 +12,9 @@ an operand read only through slices (directly or after element-wise unary ops su
 counts as the slices, and a buffer updated in place by a dynamic-update-slice counts as the update
 (as in a loop that fills one tile per iteration). Inside a `conditional` only the largest branch
 counts (on CPU the step's only one is the optimizer update, whose other branch skips it). A loop whose
-trip count XLA does not know counts once. A Pallas/Triton call's FLOPs are unknown here (0): its time
-is bounded by its bytes alone.
+trip count XLA does not know counts once. A Pallas/Triton or cuDNN call's FLOPs are not in the HLO:
+those of `KERNEL_FLOPS` (attention, the log-prob forward) come from their shapes; the rest (the GDN
+kernels, whose arithmetic is small beside their bytes) count by their bytes alone.
 """
 
 from __future__ import annotations
@@ -79,6 +80,44 @@ def _elements(type_text: str) -> int:
 def _dims(type_text: str) -> list[int]:
     m = _SHAPE.search(type_text)
     return [int(d) for d in m.group(2).split(",") if d] if m else []
+
+
+def _attention_flops(products: int):
+    """Causal attention whose first operand, q, is [B, S, H, D] (the Triton kernels' and cuDNN's; cuDNN's
+    results are [B, H, S, D]): `products` matmuls of [S, D] x [D, S] size per head, the half above the
+    diagonal skipped (a row of one document; packed documents let a kernel that skips across them do
+    less)."""
+    def flops(operand_types: list[str], result_type: str) -> int:
+        b, s, h, d = _dims(operand_types[0])
+        return products * 2 * b * h * s * s * d // 2
+    return flops
+
+
+def _logits_flops(products: int):
+    """The fused log-prob kernels, whose first operands are hidden [T, D] and weight [D, V]: `products`
+    matmuls of the logits' size (the logits; their recomputation, dh and dW in a backward)."""
+    def flops(operand_types: list[str], result_type: str) -> int:
+        (t, d), (_, v) = _dims(operand_types[0]), _dims(operand_types[1])
+        return products * 2 * t * d * v
+    return flops
+
+
+# a custom kernel's name (a Pallas call's `name`, or the custom-call target) -> its FLOPs per run from
+# its operand types and result type. Attention: the forward is two products (q k^T, p v), the backward
+# five (q k^T again, dO v^T, p^T dO, dS k, dS^T q).
+KERNEL_FLOPS = {
+    "mha_forward": _attention_flops(2), "mha_backward": _attention_flops(5),
+    "__cudnn$fmhaSoftmax": _attention_flops(2), "__cudnn$fmhaSoftmaxBackward": _attention_flops(5),
+    "logprob_forward": _logits_flops(1), "logprob_backward": _logits_flops(3),
+    "logprob_backward_dh": _logits_flops(2), "logprob_backward_dw": _logits_flops(2),
+}
+
+
+def kernel_name(instruction: Instruction) -> str:
+    """A custom call's kernel: a Pallas/Triton call's `name`, else its target ("" for other ops)."""
+    name = re.search(r'\bname = \\?"(\w+)', instruction.attributes)
+    target = re.search(r'custom_call_target="([^"]*)"', instruction.attributes)
+    return name.group(1) if name else target.group(1) if target else ""
 
 
 def parse_module(text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -233,11 +272,14 @@ class _Program:
                 flops, dot = self.dots(called.group(1))
             elif i.op == "dot":
                 flops, dot = self.dots(computation, [i])
-            target = re.search(r'custom_call_target="([^"]*)"', i.attributes)
-            if flops:
+            elif i.op == "custom-call" and kernel_name(i) in KERNEL_FLOPS:
+                flops = KERNEL_FLOPS[kernel_name(i)]([types.get(o, "") for o in i.operands], i.type)
+                shape = _SHAPE.search(types.get(i.operands[0], "") if i.operands else "")
+                dot = shape.group(1) if shape else "f32"
+            if i.op == "custom-call":
+                category = "matmul" if "gemm" in kernel_name(i).lower() else "custom"
+            elif flops:
                 category = "matmul"
-            elif i.op == "custom-call":
-                category = "matmul" if target and "gemm" in target.group(1).lower() else "custom"
             elif i.op == "fusion":
                 category = "fusion"
             elif i.op == "copy":

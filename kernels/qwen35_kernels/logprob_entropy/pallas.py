@@ -245,6 +245,7 @@ def forward_stats(hidden, weight, labels, temperature: float, blk: Blocks):
             out_shape=[tiles.out_struct((splits, tp, 1), jnp.float32, h, w, lab)] * 3,
             compiler_params=_params(blk, ()),
             interpret=blk.interpret,
+            name="logprob_forward",
         )(h, w, lab)  # 3 x [splits, Tp, 1]
         out = tiles.combine_stats(
             *parts, max_fn=lambda x: jnp.max(x, axis=0), sum_fn=lambda x: jnp.sum(x, axis=0)
@@ -265,6 +266,7 @@ def forward_stats(hidden, weight, labels, temperature: float, blk: Blocks):
             scratch_shapes=[pltpu.VMEM((bt, 1), jnp.float32)] * 4,
             compiler_params=_params(blk, ("parallel", "arbitrary")),
             interpret=blk.interpret,
+            name="logprob_forward",
         )(h, w, lab)
     return tuple(x[:T, 0] for x in out)
 
@@ -295,6 +297,7 @@ def _backward(hidden, weight, labels, lse, ent, cts, temperature: float, blk: Bl
             input_output_aliases={8: 0, 9: 1},
             compiler_params=_params(blk, ()),
             interpret=blk.interpret,
+            name="logprob_backward",
         )(h, w, *rows, *zeros)
     else:
         row = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
@@ -307,6 +310,7 @@ def _backward(hidden, weight, labels, lse, ent, cts, temperature: float, blk: Bl
             out_shape=tiles.out_struct((tp, dp), jnp.float32, h, w, *rows),
             compiler_params=_params(blk, ("parallel", "arbitrary")),
             interpret=blk.interpret,
+            name="logprob_backward_dh",
         )(h, w, *rows)
         row_t = pl.BlockSpec((bt, 1), lambda j, i: (i, 0))
         dw = pl.pallas_call(
@@ -318,6 +322,7 @@ def _backward(hidden, weight, labels, lse, ent, cts, temperature: float, blk: Bl
             out_shape=tiles.out_struct((dp, vp), jnp.float32, h, w, *rows),
             compiler_params=_params(blk, ("parallel", "arbitrary")),
             interpret=blk.interpret,
+            name="logprob_backward_dw",
         )(h, w, *rows)
     return dh[:T, :D].astype(hidden.dtype), dw[:D, :V].astype(weight.dtype)
 
