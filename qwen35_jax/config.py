@@ -15,8 +15,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 #   auto    the trainer's default: the first of "none", "mlp", "full" whose compiled step fits the
 #           device (train/remat_choice.py); a model used on its own treats it as "full"
 #   none    keep every activation of the forward for the backward
-#   mlp     as none, but recompute each layer's feed-forward (RMSNorm + MLP or MoE block) in its
-#           backward: no [tokens, intermediate] activations are kept
+#   mlp     as none, but recompute each layer's feed-forward (the MLP with its RMSNorm, or the MoE
+#           block) in its backward: no [tokens, intermediate] activations are kept
 #   full    recompute each block of `block_period` layers in the backward; keep block inputs only
 #   dots    like full, but keep the outputs of the matmuls (recompute only the elementwise work)
 #   layer   recompute one layer at a time; keep every layer's input
