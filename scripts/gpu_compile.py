@@ -31,6 +31,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch", type=int, default=1, help="rows per step, a multiple of fsdp (default 1)")
     p.add_argument("--mesh", default="fsdp=1,sp=1", help="device mesh 'fsdp=F,sp=S' (default fsdp=1,sp=1)")
     p.add_argument("--remat", default="none", help="remat policy (default none; see REMAT_POLICIES)")
+    p.add_argument("--scan-layers", default="auto",
+                   help="blocks as one scan (true) or one after another (false); auto: as a GPU trainer runs them")
     p.add_argument("--attention", default="auto", help="attention kernel: auto, pallas, cudnn or xla (default auto)")
     p.add_argument("--gdn-mode", default="all_to_all", help="GDN sp mode: all_to_all or state_passing")
     p.add_argument("--gdn-precision", default=None, help="GDN chunked-form matmul precision (default: the GPU's)")
@@ -52,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     from qwen35_jax.bench.gpu_compile import run
 
     result = run(preset=args.preset, target=args.target, seq=args.seq, batch=args.batch, mesh=args.mesh,
-                 remat=args.remat, attention=args.attention, gdn_mode=args.gdn_mode,
+                 remat=args.remat, scan_layers=args.scan_layers, attention=args.attention, gdn_mode=args.gdn_mode,
                  gdn_precision=args.gdn_precision, top=args.top, hlo_path=args.hlo, from_hlo=args.from_hlo,
                  gdn_remat=args.gdn_remat, logprob_backend=args.logprob_backend,
                  log=None if args.json else print)

@@ -118,6 +118,7 @@ def test_from_hlo_reads_a_program_without_compiling(tmp_path):
     assert report["launches"] == sum(k.runs for k in census(text)) > 0
     assert "RMS norms" in {r["name"] for r in report["parts"]} and report["roofline_s"] > 0
     assert "memory_bytes" not in report  # nothing was compiled
+    assert report["scan_layers"] is False  # remat none: one block after another, as a GPU runs it
     missing = subprocess.run([sys.executable, str(SCRIPT), "--from-hlo", str(tmp_path / "none.txt")],
                              capture_output=True, text=True, timeout=300)
     # one line from us (jax's CUDA plugin, where installed, logs its own lines before it)
@@ -130,3 +131,7 @@ def test_from_hlo_reads_a_program_without_compiling(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2, bad.stderr
     assert bad.stderr.strip().splitlines()[-1].startswith("gpu_compile: --logprob-backend 'cuda' is not one of")
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--from-hlo", str(path), "--scan-layers", "yes"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.strip().splitlines()[-1].startswith("gpu_compile: --scan-layers 'yes' is not one of")

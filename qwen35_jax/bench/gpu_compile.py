@@ -20,13 +20,15 @@ from qwen35_jax.memory.step_memory import compile_train_step
 def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str, attention: str,
         gdn_mode: str, gdn_precision: str | None, top: int, hlo_path: str | None = None,
         from_hlo: str | None = None, gdn_remat: str | None = None, logprob_backend: str = "auto",
-        log: Any = print) -> dict[str, Any]:
+        scan_layers: str = "auto", log: Any = print) -> dict[str, Any]:
     """What `scripts/gpu_compile.py` prints: the compiled step's memory, then `census_report` of its
     program. from_hlo: read that optimised HLO text (.gz allowed; e.g. the one `device_check.sh`
     brings back from a GPU) instead of compiling; the shape arguments then only size the model FLOPs.
     gdn_remat: what the GDN mixers keep for the backward (`chunk_states.GDN_REMATS`; None: "auto").
-    logprob_backend: the fused log-prob kernel's (`qwen35_kernels.BACKENDS`)."""
-    from qwen35_jax.config import REMAT_POLICIES
+    logprob_backend: the fused log-prob kernel's (`qwen35_kernels.BACKENDS`). scan_layers: a key of
+    `config.SCAN_LAYERS_FLAGS` ("auto": as `model.scans_layers` resolves it on a GPU)."""
+    from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS
+    from qwen35_jax.model import scans_layers
     from qwen35_jax.layers.chunk_states import gdn_remat as gdn_remat_setting
     from qwen35_jax.layers.chunk_states import resolve_gdn_remat
     from qwen35_jax.memory.report import fsdp_sp_product
@@ -44,15 +46,21 @@ def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str
         resolve_gdn_remat(gdn_remat, on_backend=False)  # a one-line error for a name it does not know
     if logprob_backend not in LOGPROB_BACKENDS:
         raise ValueError(f"--logprob-backend {logprob_backend!r} is not one of {LOGPROB_BACKENDS}")
+    if scan_layers not in SCAN_LAYERS_FLAGS:
+        raise ValueError(f"--scan-layers {scan_layers!r} is not one of {tuple(SCAN_LAYERS_FLAGS)}")
     fsdp, sp = parse_mesh(mesh, fsdp_sp_product(mesh))
-    config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
+    config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
+                                 scan_layers=SCAN_LAYERS_FLAGS[scan_layers])
+    scanned = scans_layers(config, backend="gpu")
     say = log or (lambda _: None)
-    setting = (f"{preset}, {batch} x {seq:,} tokens, mesh fsdp={fsdp},sp={sp}, remat {remat}, attention {attention}, "
+    setting = (f"{preset}, {batch} x {seq:,} tokens, mesh fsdp={fsdp},sp={sp}, remat {remat}, "
+               f"blocks {'scanned' if scanned else 'one after another'}, attention {attention}, "
                f"GDN {gdn_mode}{f' {gdn_precision}' if gdn_precision else ''}"
                f"{f', GDN remat {gdn_remat}' if gdn_remat else ''}"
                f"{f', log-prob {logprob_backend}' if logprob_backend != 'auto' else ''}")
     result: dict[str, Any] = {"preset": preset, "target": target, "batch": batch, "seq": seq,
-                              "mesh": f"fsdp={fsdp},sp={sp}", "remat": remat, "attention": attention,
+                              "mesh": f"fsdp={fsdp},sp={sp}", "remat": remat, "scan_layers": scanned,
+                              "attention": attention,
                               "gdn_mode": gdn_mode, "gdn_precision": gdn_precision, "gdn_remat": gdn_remat,
                               "logprob_backend": logprob_backend}
     gpu = GPU_TARGETS[target]
