@@ -67,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="after the timed steps, trace one more step of ours with jax.profiler into DIR")
     p.add_argument("--scan-layers", choices=list(SCAN_LAYERS_FLAGS), default="auto",
                    help="Qwen35Config.scan_layers of our model: the blocks as one lax.scan (true) or one after "
-                        "another (false); default auto: false on GPU, true elsewhere")
+                        "another (false); default auto: false on GPU unless whole blocks are recomputed, "
+                        "true elsewhere")
     p.add_argument("--gdn-remat", default=None,
                    help="what our GDN mixers keep for the backward: auto, none or states (default auto: states "
                         "with the Pallas chunk scan, none otherwise)")

@@ -90,7 +90,8 @@ class TrainOptions:
                                    "offload (docs/parallelism.md; default: the model config's, auto: the first "
                                    "of none, mlp, full whose step fits the device)", "precision")
     scan_layers: str = _opt("auto", "the model's blocks as one lax.scan (true: short compile) or one after "
-                                    "another (false: faster step); auto: false on GPU, true elsewhere", "precision")
+                                    "another (false: faster step); auto: false on GPU unless whole blocks are "
+                                    "recomputed (remat other than none and mlp), true elsewhere", "precision")
     # --- kernels and parallelism (fallbacks without editing code)
     mesh: str | None = _opt(None, "device layout 'fsdp=F,sp=S' (default: all devices on fsdp)", "parallelism")
     attention: str = _opt("auto", "attention kernel: auto, xla, pallas, cudnn (GPU, bf16)", "parallelism")
