@@ -75,10 +75,19 @@ def test_step_over_the_limit_climbs_the_ladder():
     assert step.policy == "mlp" and built == ["none", "mlp"] and step.needed == {"none": none, "mlp": mlp}
     assert logged[0].startswith("remat auto -> mlp (what mlp runs): without recomputation the step needs")
     assert "over" in logged[0] and "under 'mlp' the step needs" in logged[0] and "within" in logged[0]
+    assert "may run out of memory" not in logged[0]
 
+    full = needs("full")
     step, built, logged = choose(int(mlp / AUTO_REMAT_HEADROOM) - 1)  # too small for "mlp" as well
     assert step.policy == "full" and built == ["none", "mlp", "full"]
-    assert "auto -> full (what full runs):" in logged[0] and "within" not in logged[0]
+    assert step.needed == {"none": none, "mlp": mlp, "full": full}
+    assert "auto -> full (what full runs):" in logged[0] and "under 'full' the step needs" in logged[0]
+    assert "may run out of memory" not in logged[0]  # "full" fits this limit
+
+    step, built, logged = choose(int(full / AUTO_REMAT_HEADROOM) - 1)  # nothing fits
+    assert step.policy == "full" and "within" not in logged[0]
+    assert logged[0].endswith("it may run out of memory: shorten the rows, add devices or pass remat 'nested' or "
+                              "'offload' (docs/parallelism.md)")
 
     step, built, _ = choose(int(mlp / AUTO_REMAT_HEADROOM) + 1)
     assert step.policy == "mlp"

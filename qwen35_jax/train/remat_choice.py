@@ -3,8 +3,9 @@
 At its first call, `AutoRematStep` compiles the step under each policy of `AUTO_REMAT_LADDER` in turn
 ("none", then "mlp", which recomputes each layer's feed-forward, then "full") and keeps the first whose
 compiled program's per-device memory (`memory_analysis`: arguments + outputs + temporaries - donated)
-is at most `AUTO_REMAT_HEADROOM` of the device's memory; the last rung is kept without a check. One
-compile when the step fits without recomputation, one more per rung it falls past. Every process
+is at most `AUTO_REMAT_HEADROOM` of the device's memory; the last rung is kept either way, with a
+warning in the log line when it does not fit either. One compile when the step fits without
+recomputation, one more per rung it falls past. Every process
 decides from its own devices, so a cluster of unlike machines should pass an explicit policy.
 """
 
@@ -61,7 +62,7 @@ class AutoRematStep:
         self._describe = describe  # policy -> what else its step does differently, for the log line
         self._compiled: Any = None
         self.policy: str | None = None  # a rung of AUTO_REMAT_LADDER, once compiled
-        # per device, of each rung compiled and checked (None: the compiler refused it as too large)
+        # per device, of each rung compiled (None: the compiler refused it as too large)
         self.needed: dict[str, int | None] = {}
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> Any:
@@ -86,10 +87,14 @@ class AutoRematStep:
         else:
             self.policy = AUTO_REMAT_LADDER[-1]
             self._compiled = self._make_step(self.policy).lower(*args).compile()
+            self.needed[self.policy] = compiled_bytes(self._compiled)
         if self._log is not None:
             detail = f" ({self._describe(self.policy)})" if self._describe is not None else ""
+            hint = ("; it may run out of memory: shorten the rows, add devices or pass remat 'nested' or "
+                    "'offload' (docs/parallelism.md)" if self.needed[self.policy] > AUTO_REMAT_HEADROOM * limit
+                    else "")
             self._log(f"remat auto -> {self.policy}{detail}: " + "; ".join(
-                self._needs(policy, needed, limit) for policy, needed in self.needed.items()))
+                self._needs(policy, needed, limit) for policy, needed in self.needed.items()) + hint)
 
     @staticmethod
     def _needs(policy: str, needed: int | None, limit: int) -> str:
