@@ -13,8 +13,8 @@ counts as the slices, and a buffer updated in place by a dynamic-update-slice co
 (as in a loop that fills one tile per iteration). Inside a `conditional` only the largest branch
 counts (on CPU the step's only one is the optimizer update, whose other branch skips it). A loop whose
 trip count XLA does not know counts once. A Pallas/Triton or cuDNN call's FLOPs are not in the HLO:
-those of `KERNEL_FLOPS` (attention, the log-prob forward) come from their shapes; the rest (the GDN
-kernels, whose arithmetic is small beside their bytes) count by their bytes alone.
+those of `KERNEL_FLOPS` (attention, the fused log-prob kernels) come from their shapes; the rest (the
+GDN kernels, whose arithmetic is small beside their bytes) count by their bytes alone.
 """
 
 from __future__ import annotations
@@ -272,12 +272,13 @@ class _Program:
                 flops, dot = self.dots(called.group(1))
             elif i.op == "dot":
                 flops, dot = self.dots(computation, [i])
-            elif i.op == "custom-call" and kernel_name(i) in KERNEL_FLOPS:
-                flops = KERNEL_FLOPS[kernel_name(i)]([types.get(o, "") for o in i.operands], i.type)
+            name = kernel_name(i) if i.op == "custom-call" else ""
+            if name in KERNEL_FLOPS:
+                flops = KERNEL_FLOPS[name]([types.get(o, "") for o in i.operands], i.type)
                 shape = _SHAPE.search(types.get(i.operands[0], "") if i.operands else "")
                 dot = shape.group(1) if shape else "f32"
             if i.op == "custom-call":
-                category = "matmul" if "gemm" in kernel_name(i).lower() else "custom"
+                category = "matmul" if "gemm" in name.lower() else "custom"
             elif flops:
                 category = "matmul"
             elif i.op == "fusion":
