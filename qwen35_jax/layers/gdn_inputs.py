@@ -51,7 +51,7 @@ def _conv1d_silu(x: jax.Array, kernel: jax.Array, doc: jax.Array | None) -> jax.
     return jax.nn.silu(stored_cotangent(out.astype(x.dtype)))
 
 
-def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:  # [..., d] -> [..., d] float32
+def l2_normalize(x: jax.Array, eps: float = gdn_inputs_pallas.L2_EPS) -> jax.Array:  # [..., d] -> [..., d] float32
     """x * rsqrt(sum(x^2) + eps), in float32 (transformers' / FLA's `l2norm`)."""
     x = x.astype(jnp.float32)
     return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-L2_EPS = 1e-6  # gdn_inputs.l2_normalize's
+L2_EPS = 1e-6  # transformers' / FLA's l2norm eps; gdn_inputs.l2_normalize's default too
 MAX_BLOCK = 64
 NUM_WARPS = 4
 
