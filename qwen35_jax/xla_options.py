@@ -4,7 +4,7 @@ On CPU, jax 0.10's XLA hands dots, elementwise ops and reductions to YNNPACK. It
 slow on the shapes a train step has: summing a [64, 4, 2, 64, 64] array over the axis of size 2 (the
 gradient of a key-head Gram matrix shared by two value heads) takes 45-80 ms, a [4096, 256] column
 sum (a norm weight's gradient) 7 ms, and reductions were a fifth of the 1 x 4096 train step of
-`scripts/bench_train.py`. With YNNPACK fusions off, XLA's own emitters and its other dot libraries
+`scripts/bench/bench_train.py`. With YNNPACK fusions off, XLA's own emitters and its other dot libraries
 run the same HLO and the step is 12-21% faster (docs/benchmarks.md). Turning off only the
 reductions is not an option: dot and elementwise fusions without them fail at run time on some of
 our layouts ("unsupported layout in YNN fusion").

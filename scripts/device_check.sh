@@ -17,7 +17,7 @@
 #      Triton fallback) against the XLA core at S = 4096, 8 query / 2 kv heads, Dh = 256, bf16 (errors
 #      against a float32 reference, forward and forward+backward time, scratch memory, a few block sizes);
 #   4. a sweep of Triton block sizes of the log-prob kernel, while time is left;
-#   5. (scripts/bench_train.py, each call limited to TRAIN_LIMIT_S) the train step of the 0.8B shapes,
+#   5. (scripts/bench/bench_train.py, each call limited to TRAIN_LIMIT_S) the train step of the 0.8B shapes,
 #      all 24 layers, bfloat16 compute, one row of 8192 tokens: tokens/s and MFU against the H200's
 #      989 TFLOP/s dense bf16 peak ($OUT/train_step.json) and one traced step
 #      ($OUT/train_profile.xplane.pb.gz, for xprof) with its optimised HLO ($OUT/train_step_hlo.txt.gz).
@@ -317,7 +317,7 @@ if [[ ",$STAGES," == *,train,* ]]; then
   fi
   train() {  # bench_train with the stage's shapes and any further flags; log appended, with its wall time
     local start=$SECONDS rc
-    timeout "${TRAIN_LIMIT_S:-330}" "${PYTHON:-python3}" scripts/bench_train.py "${shape[@]}" \
+    timeout "${TRAIN_LIMIT_S:-330}" "${PYTHON:-python3}" scripts/bench/bench_train.py "${shape[@]}" \
       --dtype bfloat16 --steps 3 --skip-torch --peak-tflops 989 "$@" 2>&1 | tee -a "$OUT/train_step_log.txt"
     rc=${PIPESTATUS[0]}
     echo "== took $((SECONDS - start)) s, exit $rc: bench_train $*" | tee -a "$OUT/train_step_log.txt"

@@ -1,4 +1,4 @@
-"""qwen35_jax.bench: the paired-round arithmetic and tables of scripts/bench_train.py, and one tiny
+"""qwen35_jax.bench: the paired-round arithmetic and tables of scripts/bench/bench_train.py, and one tiny
 train step of each stack timed through it."""
 
 from __future__ import annotations

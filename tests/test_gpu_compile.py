@@ -15,7 +15,7 @@ import pytest
 from qwen35_jax.bench.hlo_census import census
 from qwen35_jax.config import Qwen35Config
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "gpu_compile.py"
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "gpu_compile.py"
 LONG_CONTEXT = SCRIPT.parent / "bench_long_context.py"
 HAS_PLUGIN = any(importlib.util.find_spec(f"jax_plugins.xla_cuda{v}") for v in (12, 13)) \
     if importlib.util.find_spec("jax_plugins") else False

@@ -303,7 +303,7 @@ def test_plan_shards_respects_limit():
     assert [t.name for s in plan_shards(ts, 10**9) for t in s] == [t.name for t in ts]
 
 
-@pytest.mark.parametrize("script", ["import_hf", "export_hf", "bench_import"])
+@pytest.mark.parametrize("script", ["import_hf", "export_hf", "bench/bench_import"])
 def test_script_help(script):
     r = subprocess.run(script_cmd(script, "--help"), capture_output=True, text=True, env=subprocess_env())
     assert r.returncode == 0 and "usage:" in r.stdout, r.stderr

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-SCRIPTS = sorted((Path(__file__).resolve().parents[1] / "scripts").glob("*.py"))
+SCRIPTS_DIR = Path(__file__).resolve().parents[1] / "scripts"
+SCRIPTS = sorted(SCRIPTS_DIR.glob("**/*.py"))  # the user tools and scripts/bench/
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.relative_to(SCRIPTS_DIR).as_posix() for s in SCRIPTS])
 def test_help(script):
     result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-1000:]

@@ -3,7 +3,7 @@
 `memory.step_memory.compile_train_step(..., target=)` compiles it for compile-only devices of the
 target (`memory.gpu_targets`); what comes back is real: the program's per-device memory
 (`memory_analysis()`) and its optimised HLO, which `hlo_census` reads kernel by kernel. Nothing runs, so there are no times, only the roofline's lower
-bound. `run` is what `scripts/gpu_compile.py` prints.
+bound. `run` is what `scripts/bench/gpu_compile.py` prints.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str
         gdn_mode: str, gdn_precision: str | None, top: int, hlo_path: str | None = None,
         from_hlo: str | None = None, gdn_remat: str | None = None, logprob_backend: str = "auto",
         scan_layers: str = "auto", log: Any = print) -> dict[str, Any]:
-    """What `scripts/gpu_compile.py` prints: the compiled step's memory, then `census_report` of its
+    """What `scripts/bench/gpu_compile.py` prints: the compiled step's memory, then `census_report` of its
     program. from_hlo: read that optimised HLO text (.gz allowed; e.g. the one `device_check.sh`
     brings back from a GPU) instead of compiling; the shape arguments then only size the model FLOPs.
     gdn_remat: what the GDN mixers keep for the backward (`chunk_states.GDN_REMATS`; None: "auto").

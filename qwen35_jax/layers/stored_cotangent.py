@@ -10,7 +10,7 @@ conv of a hidden-1024 GatedDeltaNet layer, the fused conv-input gradient took 11
 default XLA:CPU removes barriers before fusing, and a user's own `jax.jit` has the defaults.
 `materialized` routes the gradient through a reduction instead, which XLA:CPU does not fuse into its
 readers: the sum over a new leading axis of [g, 0], which is g exactly, for one extra pass over the
-gradient. It made the hidden-1024 train step of `scripts/bench_train.py` 6.7% faster (4 x 512
+gradient. It made the hidden-1024 train step of `scripts/bench/bench_train.py` 6.7% faster (4 x 512
 tokens at hidden 256: 2.9%). Other backends get the plain identity.
 """
 

@@ -1,4 +1,4 @@
-"""What `scripts/bench_long_context.py` runs: one length or the search, and the per-component report."""
+"""What `scripts/bench/bench_long_context.py` runs: one length or the search, and the per-component report."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Read the collectives out of compiled HLO text: which op, result shapes, bytes, source scope.
 
 Used by the tests (all-to-all around every mixer, no full-sequence all-gather) and by
-`scripts/bench_parallel.py` (collective bytes per layer). Works on the text of
+`scripts/bench/bench_parallel.py` (collective bytes per layer). Works on the text of
 `jax.jit(f).lower(...).compile().as_text()`.
 """
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Train-step speed of qwen35-jax against transformers' PyTorch model (logic: `qwen35_jax.bench`).
 
-    python scripts/bench_train.py [--config small|large|long ...] [--steps 5] [--remat REMAT]
+    python scripts/bench/bench_train.py [--config small|large|long ...] [--steps 5] [--remat REMAT]
                                   [--cores [gdn attention]] [--breakdown] [--json out.json]
-    python scripts/bench_train.py --preset 0.8B --dtype bfloat16 --seq 8192 --skip-torch --peak-tflops 989
+    python scripts/bench/bench_train.py --preset 0.8B --dtype bfloat16 --seq 8192 --skip-torch --peak-tflops 989
 
 Both stacks train the same architecture (random weights) on the same batch of random tokens, one
 document per row, with AdamW (lr 1e-4, betas 0.9/0.95, gradient clipping at norm 1), float32. Ours is

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Peak host memory (RSS) of importing a synthetic multi-GB Hugging Face checkpoint.
 
-    python scripts/bench_import.py [--preset 0.8B] [--dtype float32] [--workdir DIR] [--max-shard-size 2GB]
+    python scripts/bench/bench_import.py [--preset 0.8B] [--dtype float32] [--workdir DIR] [--max-shard-size 2GB]
 
 Writes a random checkpoint with the published shapes of --preset (HF names, shards + index) and
 measures the two steps of scripts/import_hf.py in a fresh process, the peak reset between them:

@@ -3,9 +3,9 @@
 roofline.
 
     pip install -e ".[gpu-compile]"
-    python scripts/gpu_compile.py --preset 0.8B --target h200 --seq 8192
-    python scripts/gpu_compile.py --preset 9B --target h100 --mesh fsdp=2,sp=4 --seq 65536 --remat full
-    python scripts/gpu_compile.py --from-hlo out/train_step_hlo.txt.gz   # a GPU's own program, read
+    python scripts/bench/gpu_compile.py --preset 0.8B --target h200 --seq 8192
+    python scripts/bench/gpu_compile.py --preset 9B --target h100 --mesh fsdp=2,sp=4 --seq 65536 --remat full
+    python scripts/bench/gpu_compile.py --from-hlo out/train_step_hlo.txt.gz   # a GPU's own program, read
 
 XLA:GPU compiles the step (sequence-sharded forward, fused log-prob loss, gradients, clipping, AdamW,
 float32 master weights and moments ZeRO-3 sharded, bf16 compute) for compile-only devices of the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Sequence-parallel memory and traffic of a Qwen3.5-shaped model, read from the compiler.
 
-    python scripts/bench_parallel.py [--preset 0.8B] [--seq 32768] [--layers 4] [--sp 1,2,4,8]
+    python scripts/bench/bench_parallel.py [--preset 0.8B] [--seq 32768] [--layers 4] [--sp 1,2,4,8]
                                      [--dtype bfloat16] [--devices 8]
 
 For every sp, one sequence of --seq tokens is split over sp devices (mesh fsdp=1, sp=sp). The

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The longest sequence whose whole train step fits a device, by compile-time memory analysis.
 
-    python scripts/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --device-memory 141GB
-    python scripts/bench_long_context.py --preset 0.8B --mesh fsdp=1,sp=1 --seq 262144 --json
-    python scripts/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --target h200
+    python scripts/bench/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --device-memory 141GB
+    python scripts/bench/bench_long_context.py --preset 0.8B --mesh fsdp=1,sp=1 --seq 262144 --json
+    python scripts/bench/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --target h200
 
 The step: sequence-sharded forward, fused log-prob loss, gradients, clipping and AdamW, float32
 master weights and moments ZeRO-3 sharded, bf16 compute, one sequence per fsdp row. It is lowered

@@ -6,9 +6,9 @@ if importable) at the lm_head shape of Qwen3.5 (V = 248,320). Memory comes from
 jax.jit(f).lower(...).compile().memory_analysis() and needs no allocation; timing allocates the inputs
 and runs `--repeats` forward+backward steps after one warm-up.
 
-    python scripts/bench_logprob.py --T 1024 4096 16384 --skip-time
-    python scripts/bench_logprob.py --T 1024 --repeats 2 --backends reference xla tokamax
-    python scripts/bench_logprob.py --sharded fsdp=2,sp=4 --T 4096 --dtype bfloat16   # per device
+    python scripts/bench/bench_logprob.py --T 1024 4096 16384 --skip-time
+    python scripts/bench/bench_logprob.py --T 1024 --repeats 2 --backends reference xla tokamax
+    python scripts/bench/bench_logprob.py --sharded fsdp=2,sp=4 --T 4096 --dtype bfloat16   # per device
 
 With --sharded F,S the two lm_head modes of sharded_linear_logprob_entropy ("gather": all-gather the
 weight; "vocab_parallel": all-gather the hidden states) are compared by per-device scratch memory, T
