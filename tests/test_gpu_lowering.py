@@ -13,17 +13,12 @@ import re
 from collections import Counter
 
 import jax
-import numpy as np
 import pytest
-from flax import nnx
+from lowering_testutil import abstract_step_inputs, train_step_for
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.kernel_choices import kernel_choices
 from qwen35_jax.layers.tiling import sequence_tile
-from qwen35_jax.model import Qwen35ForCausalLM
-from qwen35_jax.parallel.mesh import create_sharded
-from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule
-from qwen35_jax.train.step import batch_shardings, make_train_step
 
 GDN_KERNELS = {"gdn_chunk_local", "gdn_chunk_local_backward", "gdn_chunk_states", "gdn_chunk_states_reverse",
                "gdn_chunk_gradients", "gdn_chunk_outputs", "gdn_chunk_outputs_backward"}
@@ -47,22 +42,14 @@ def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, preset, attention, gd
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
     config = Qwen35Config.preset(preset, dtype="bfloat16", remat=remat)
-    model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), mesh_2x4)
-    graphdef = nnx.split(model)[0]
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tx = make_optimizer(make_schedule(1e-4, 100))
-    opt_state = init_opt_state(tx, params, mesh_2x4)
-    shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-    rows = {name: np.zeros((1, 2, seq), np.int32) for name in ("tokens", "segment_ids", "loss_mask")}
-    batch = {name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-             for (name, x), s in zip(rows.items(), batch_shardings(mesh_2x4, rows).values())}
+    graphdef, tx, params, opt_state, batch = abstract_step_inputs(config, mesh_2x4, seq)
 
     # from here on the program is the GPU's; jax's cuDNN module also reads the cuDNN version and
     # the compute capability when traced: a Hopper with cuDNN 9.10
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
-    step = make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head), shardings)
+    step = train_step_for(graphdef, tx, params, opt_state, lm_head)
     with jax.set_mesh(mesh_2x4), kernel_choices(attention, gdn_mode, gdn_precision), sequence_tile(tile):
         text = step.trace(params, opt_state, batch).lower(lowering_platforms=("cuda",)).as_text()
 

@@ -23,12 +23,11 @@ def components(m: StepMemory) -> dict[str, int]:
 def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = None, remat: str = "nested",
         gdn_mode: str = "all_to_all", tile: int | None = 8192, start: int | None = None,
         target: str | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
-    """target: a GPU of `gpu_targets.GPU_TARGETS` whose compiler sizes the step (device_memory None:
-    that GPU's); None: this process's devices (simulated ones on CPU, device_memory required)."""
+    """target: a GPU or TPU of `targets.COMPILE_TARGETS` whose compiler sizes the step (device_memory
+    None: that device's); None: this process's devices (simulated ones on CPU, device_memory required)."""
     import jax
 
-    from qwen35_jax.memory.gpu_targets import GPU_TARGETS
-
+    from qwen35_jax.memory.targets import target_backend, target_compiler, target_memory_bytes
     from qwen35_jax.parallel.mesh import parse_mesh
 
     measurable = tuple(policy for policy in REMAT_POLICIES if policy != "auto")
@@ -37,18 +36,17 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
                          "choice among 'none', 'mlp' and 'full' at its first step)")
     if gdn_mode not in GDN_MODES:
         raise ValueError(f"--gdn-mode {gdn_mode!r} is not one of {GDN_MODES}")
-    if target is not None and target not in GPU_TARGETS:
-        raise ValueError(f"--target {target!r} is not one of {sorted(GPU_TARGETS)}")
+    backend = jax.default_backend() if target is None else target_backend(target)  # checks the name
     if device_memory is None and target is None:
         raise ValueError("--device-memory is needed without --target")
-    limit = GPU_TARGETS[target].memory_bytes if device_memory is None else parse_bytes(device_memory)
+    limit = target_memory_bytes(target) if device_memory is None else parse_bytes(device_memory)
     fsdp, sp = parse_mesh(mesh, fsdp_sp_product(mesh))
     if target is None and fsdp * sp > jax.device_count():
         raise ValueError(f"--mesh {mesh} needs {fsdp * sp} devices, there are {jax.device_count()}")
     config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
-    compiler = f"XLA:GPU for {GPU_TARGETS[target].description}" if target else f"XLA:{jax.default_backend().upper()}"
+    compiler = target_compiler(target) if target else f"XLA:{backend.upper()}"
     say = log or (lambda _: None)
-    granule = sp * config.gdn_chunk("gpu" if target else jax.default_backend())
+    granule = sp * config.gdn_chunk(backend)
 
     def measure(s: int) -> StepMemory:
         return step_memory(config, s, (fsdp, sp), gdn_mode=gdn_mode, tile=tile, target=target)

@@ -26,7 +26,7 @@ from qwen35_jax.layers.chunk_states import gdn_chunk_scan
 from qwen35_jax.layers.gdn_matmul import gdn_precision as gdn_matmul_precision
 from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 from qwen35_jax.layers.tiling import DEFAULT_SEQUENCE_TILE, sequence_tile
-from qwen35_jax.memory.gpu_targets import compile_only_devices, traced_as_gpu
+from qwen35_jax.memory.targets import target_backend, target_devices, traced_as
 from qwen35_jax.model import scans_layers
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings
 from qwen35_jax.train.optim import make_optimizer, make_schedule, opt_state_shardings
@@ -81,14 +81,21 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     untiled). lm_head_mode: as `score_tokens` takes it. gdn_precision: the chunked delta rule's matmul
     precision (`gdn_matmul.gdn_precision`; None: the backend's default). logprob_backend: the fused
     log-prob kernel's (`qwen35_kernels.BACKENDS`). devices: the mesh's devices
-    (default: this process's). target: a GPU of `gpu_targets.GPU_TARGETS` to compile for with XLA:GPU
-    instead, on compile-only devices of it (no GPU needed): that device's own program and memory."""
+    (default: this process's). target: a device of `targets.COMPILE_TARGETS` to compile for with its
+    own compiler instead, on compile-only devices of it (no GPU or TPU needed): that device's program
+    and memory. A TPU target runs the TPU's kernels: the Pallas TPU attention ("pallas" is it there)
+    and the associative GDN chunk scan ("pallas" is taken as "auto"), its layers as a TPU lays them out."""
     fsdp, sp = mesh_shape
-    if target is not None:  # all of it traced as on a GPU, the jit's compiler options included
-        with traced_as_gpu():
+    if target is not None:  # all of it traced as on the target, the jit's compiler options included
+        backend = target_backend(target)
+        if backend == "tpu":
+            gdn_scan = "auto" if gdn_scan == "pallas" else gdn_scan
+            if config.scan_layers == "auto":
+                config = config.replace(scan_layers=scans_layers(config, backend="tpu"))
+        with traced_as(target):
             return compile_train_step(config, seq, mesh_shape, gdn_mode=gdn_mode, attention=attention,
                                       gdn_scan=gdn_scan, tile=tile, lm_head_mode=lm_head_mode, batch=batch,
-                                      devices=compile_only_devices(target, fsdp * sp), gdn_precision=gdn_precision,
+                                      devices=target_devices(target, fsdp * sp), gdn_precision=gdn_precision,
                                       logprob_backend=logprob_backend)
     if config.scan_layers == "auto":
         config = config.replace(scan_layers=scans_layers(config, backend="gpu"))

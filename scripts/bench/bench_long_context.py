@@ -4,6 +4,7 @@
     python scripts/bench/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --device-memory 141GB
     python scripts/bench/bench_long_context.py --preset 0.8B --mesh fsdp=1,sp=1 --seq 262144 --json
     python scripts/bench/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --target h200
+    python scripts/bench/bench_long_context.py --preset 9B --mesh fsdp=2,sp=8 --target v5p
 
 The step: sequence-sharded forward, fused log-prob loss, gradients, clipping and AdamW, float32
 master weights and moments ZeRO-3 sharded, bf16 compute, one sequence per fsdp row. It is lowered
@@ -12,9 +13,10 @@ temporaries - aliased bytes (`memory_analysis()`). Without --seq the longest S t
 --device-memory is searched (powers of two, then refined; every length reported was compiled).
 On a CPU host the devices are simulated; XLA:CPU buffers differently from XLA:GPU, so the figure is
 an estimate; with --target h100|h200 XLA:GPU itself compiles the step for that GPU (no GPU needed,
-`pip install -e ".[gpu-compile]"`), and the figure is the device's own. The program traced is the
-one a GPU runs: the Pallas attention and GDN chunk-state kernels (interpret mode on CPU),
-`scan_layers` resolved as on a GPU.
+`pip install -e ".[gpu-compile]"`), with --target v4|v5e|v5p|v6e XLA:TPU for a slice of those TPU
+chips (no TPU needed, `pip install -e ".[tpu-compile]"`), and the figure is the device's own. Without
+a TPU target the program traced is the one a GPU runs: the Pallas attention and GDN chunk-state
+kernels (interpret mode on CPU), `scan_layers` resolved as on a GPU; with one, the TPU's.
 """
 
 import argparse
@@ -29,8 +31,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--mesh", default="fsdp=1,sp=8", help="device mesh 'fsdp=F,sp=S' (default fsdp=1,sp=8)")
     parser.add_argument("--device-memory", default=None,
                         help="bytes per device, e.g. 141GB or 80GiB (default: the --target's, else 141GB)")
-    parser.add_argument("--target", default=None, help="compile with XLA:GPU for this GPU (h100 or h200) instead "
-                        "of this machine's devices; needs pip install -e '.[gpu-compile]', no GPU")
+    parser.add_argument("--target", default=None, help="compile for this device instead of this machine's: a GPU "
+                        "(h100, h200; needs pip install -e '.[gpu-compile]') or a TPU chip (v4, v5e, v5p, v6e; "
+                        "needs pip install -e '.[tpu-compile]'), no GPU or TPU needed")
     parser.add_argument("--seq", type=int, help="check this one length instead of searching")
     parser.add_argument("--remat", default="nested", help="remat policy (default nested; see REMAT_POLICIES)")
     parser.add_argument("--gdn-mode", default="all_to_all", help="GDN sp mode: all_to_all or state_passing")
@@ -43,7 +46,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.target:  # the CUDA plugin registers its compiler either way; this keeps it from looking for a device
+    if args.target:  # the CUDA plugin or libtpu loads either way; this keeps it from looking for a device
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
     if os.environ.get("JAX_PLATFORMS", "cpu") == "cpu" and "device_count" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")

@@ -1,0 +1,45 @@
+"""The devices a train step can be compiled for without having them: the GPUs of `gpu_targets` and
+the TPUs of `tpu_targets`, behind one name each ("h200", "v5p", ...)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from qwen35_jax.memory.gpu_targets import GPU_TARGETS, compile_only_devices, traced_as_gpu
+from qwen35_jax.memory.tpu_targets import TPU_TARGETS, tpu_compile_only_devices, traced_as_tpu
+
+COMPILE_TARGETS = (*GPU_TARGETS, *TPU_TARGETS)
+
+
+def target_backend(target: str) -> str:
+    """"gpu" or "tpu", as `jax.default_backend()` names the target's platform; a one-line ValueError
+    for a name that is neither."""
+    if target in GPU_TARGETS:
+        return "gpu"
+    if target in TPU_TARGETS:
+        return "tpu"
+    raise ValueError(f"--target {target!r} is not one of {COMPILE_TARGETS}")
+
+
+def target_memory_bytes(target: str) -> int:
+    """What one device (a GPU, a TPU chip) of the target holds."""
+    return (GPU_TARGETS if target_backend(target) == "gpu" else TPU_TARGETS)[target].memory_bytes
+
+
+def target_compiler(target: str) -> str:
+    """The compiler and device, for a report's header: "XLA:GPU for NVIDIA H200"."""
+    table = GPU_TARGETS if target_backend(target) == "gpu" else TPU_TARGETS
+    return f"XLA:{target_backend(target).upper()} for {table[target].description}"
+
+
+def target_devices(target: str, count: int) -> list[Any]:
+    """`count` compile-only devices of the target (jax's CUDA plugin or libtpu, no device needed)."""
+    if target_backend(target) == "gpu":
+        return compile_only_devices(target, count)
+    return tpu_compile_only_devices(target, count)
+
+
+def traced_as(target: str) -> contextlib.AbstractContextManager[None]:
+    """Inside it the step traces as the target's platform does (`jax.default_backend()` answers for it)."""
+    return traced_as_gpu() if target_backend(target) == "gpu" else traced_as_tpu()
