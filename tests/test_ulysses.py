@@ -92,13 +92,22 @@ def test_ulysses_attention_matches(layout, kv_heads):
         assert_close(g, gw)
 
 
-def test_ulysses_without_mesh_is_the_plain_call():
-    q, k, v, seg, _ = _attention_inputs(b=2, s=8, h=4, k=2, dh=8)
-    jaxpr = str(jax.make_jaxpr(lambda *a: ulysses_attention(attention_core, *a))(q, k, v, seg))
-    assert "shard_map" not in jaxpr and "all_to_all" not in jaxpr
+def test_ulysses_without_mesh_is_the_plain_call_and_at_sp_1_a_batch_shard():
+    q, k, v, seg, _ = _attention_inputs(b=8, s=8, h=4, k=2, dh=8)
+    seen = []
+
+    def core(q, k, v, seg):  # records the shape the mixer is traced with
+        seen.append(q.shape)
+        return attention_core(q, k, v, seg)
+
+    jaxpr = str(jax.make_jaxpr(lambda *a: ulysses_attention(core, *a))(q, k, v, seg))
+    assert "shard_map" not in jaxpr and "all_to_all" not in jaxpr and seen == [(8, 8, 4, 8)]
+    # at sp = 1 on several devices the mixer still runs per device, on its rows: a Pallas kernel's
+    # custom call cannot be partitioned by XLA (Mosaic refuses it; a Triton call ran on every row)
     with jax.set_mesh(make_mesh("fsdp=8,sp=1")):
-        jaxpr = str(jax.make_jaxpr(lambda *a: ulysses_attention(attention_core, *a))(q, k, v, seg))
-    assert "shard_map" not in jaxpr
+        jaxpr = str(jax.make_jaxpr(lambda *a: ulysses_attention(core, *a))(q, k, v, seg))
+    assert "shard_map" in jaxpr and seen[-1] == (1, 8, 4, 8)
+    assert not any(c in jaxpr for c in ("all_to_all", "all_gather", "psum"))
 
 
 def test_ulysses_attention_hlo_has_all_to_all(mesh_2x4):

@@ -76,7 +76,8 @@ def sharded_gdn_core(*args: jax.Array, eps: float, chunk_size: int) -> jax.Array
     """`gdn_core`'s 13 arrays, the sequence-long ones as this device's shard [B, S/sp, ...], under the
     context mesh's sequence parallelism: the seq <-> heads all-to-all around `gdn_core` (`ulysses_gdn`,
     the default) or, inside `gdn_sp_mode("state_passing")`, states passed between sequence shards
-    (`gdn_state_passing`). Without a mesh, or at sp = 1, `gdn_core` itself."""
+    (`gdn_state_passing`). Without a multi-device mesh `gdn_core` itself; at sp = 1 on one, `gdn_core` on
+    each device's rows."""
     mesh = active_sp_mesh()
     if mesh is not None and current_gdn_mode() == "state_passing":
         return gdn_state_passing(*args, mesh=mesh, eps=eps, chunk_size=chunk_size)

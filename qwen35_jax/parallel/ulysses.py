@@ -135,6 +135,8 @@ def ulysses_call(
     out_spec = P(batch, SP, *([None] * (first.ndim - 2)))
 
     def local(*xs: jax.Array) -> jax.Array:
+        if sp == 1:  # a batch shard of whole sequences with every head: nothing to exchange
+            return core(*xs)
         inner = []
         for x, k in zip(xs, kinds):
             if k.kind == "seq_heads":  # [B, S/sp, H, d] -> [B, S, H/sp, d]
@@ -158,6 +160,11 @@ def active_sp_mesh() -> jax.sharding.AbstractMesh | None:
     return None if mesh_axis_size(mesh, SP) == 1 else mesh
 
 
+# The mixers run inside shard_map on any multi-device mesh (`auto_mesh`), at sp = 1 too, on their
+# batch shards: their Pallas kernels are custom calls that XLA's partitioner cannot split (Mosaic
+# refuses to lower one outside shard_map; a Triton call would run on the whole gathered batch).
+
+
 def ulysses_attention(
     core: Callable[..., jax.Array],
     q: jax.Array,  # [B, S/sp, H, Dh]
@@ -166,7 +173,7 @@ def ulysses_attention(
     segment_ids: jax.Array,  # [B, S/sp]
 ) -> jax.Array:  # [B, S/sp, H, Dh]
     """`core(q, k, v, segment_ids)` (causal attention) sequence-parallel over the context mesh."""
-    mesh = active_sp_mesh()
+    mesh = auto_mesh()
     if mesh is None:
         return core(q, k, v, segment_ids)
     sp = mesh_axis_size(mesh, SP)
@@ -198,7 +205,7 @@ def ulysses_gdn(
     """The gated DeltaNet core sequence-parallel over value heads (key heads follow, replicated)."""
     call = functools.partial(core, **static)
     args = (q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids)
-    mesh = active_sp_mesh()
+    mesh = auto_mesh()
     if mesh is None:
         return call(*args)
     sp = mesh_axis_size(mesh, SP)
