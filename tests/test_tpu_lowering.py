@@ -18,7 +18,6 @@ from lowering_testutil import abstract_step_inputs, train_step_for
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.kernel_choices import kernel_choices
-from qwen35_jax.layers.tiling import sequence_tile
 from qwen35_jax.parallel.mesh import make_mesh
 
 # jax's Pallas TPU flash attention (forward; the backward's dK/dV and dQ kernels) and ours
@@ -29,20 +28,19 @@ LOGPROB_KERNELS = {"logprob_forward", "logprob_backward_dh", "logprob_backward_d
 # remat "full": the layers scanned (the TPU's layout), the attention forward recomputed in the backward;
 # fsdp=2, sp=1 (the trainer's default layout, all devices on fsdp): the mixers' kernels still run per
 # device, inside shard_map, which Mosaic requires
-@pytest.mark.parametrize("preset, mesh_shape, gdn_mode, lm_head, remat, tile", [
-    ("tiny", (2, 4), "all_to_all", "gather", "full", None),
-    ("tiny-moe", (2, 4), "state_passing", "vocab_parallel", "none", None),
-    ("tiny", (2, 4), "all_to_all", "gather", "mlp", 128),
-    ("tiny", (2, 1), "all_to_all", "gather", "full", None),
+@pytest.mark.parametrize("preset, mesh_shape, gdn_mode, lm_head, remat", [
+    ("tiny", (2, 4), "all_to_all", "gather", "full"),
+    ("tiny-moe", (2, 4), "state_passing", "vocab_parallel", "none"),
+    ("tiny", (2, 1), "all_to_all", "gather", "full"),
 ])
-def test_train_step_lowers_for_tpu(monkeypatch, preset, mesh_shape, gdn_mode, lm_head, remat, tile):
+def test_train_step_lowers_for_tpu(monkeypatch, preset, mesh_shape, gdn_mode, lm_head, remat):
     mesh = make_mesh(mesh_shape, devices=jax.devices()[:mesh_shape[0] * mesh_shape[1]])
     config = Qwen35Config.preset(preset, dtype="bfloat16", remat=remat)
     graphdef, tx, params, opt_state, batch = abstract_step_inputs(config, mesh, 256)
 
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # from here on the program is the TPU's
     step = train_step_for(graphdef, tx, params, opt_state, lm_head)
-    with jax.set_mesh(mesh), kernel_choices("auto", gdn_mode, None), sequence_tile(tile):
+    with jax.set_mesh(mesh), kernel_choices("auto", gdn_mode, None):
         text = step.trace(params, opt_state, batch).lower(lowering_platforms=("tpu",)).as_text()
 
     targets = Counter(re.findall(r"custom_call @([\w$.]+)", text))
