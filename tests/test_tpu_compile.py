@@ -35,6 +35,13 @@ def test_slices_are_shaped_as_cloud_tpu_shapes_them():
         target_backend("v7x")
 
 
+def test_long_context_tool_refuses_an_unknown_layer_layout():
+    from qwen35_jax.memory.report import run
+
+    with pytest.raises(ValueError, match=r"--scan-layers 'yes' is not one of \('auto', 'true', 'false'\)"):
+        run(preset="tiny", mesh="fsdp=2,sp=4", device_memory=None, seq=1024, target="v5e", scan_layers="yes")
+
+
 @pytest.mark.skipif(HAS_LIBTPU, reason="libtpu is installed: the compile tests run instead")
 def test_without_libtpu_the_tool_says_what_to_install():
     result = subprocess.run([sys.executable, str(LONG_CONTEXT), *TINY, "--target", "v5e"], capture_output=True,
@@ -72,9 +79,10 @@ def test_the_step_compiles_for_a_v5e_slice_on_a_2x4_mesh(preset, gdn_mode, lm_he
 @pytest.mark.skipif(not HAS_LIBTPU, reason="needs libtpu: pip install -e '.[tpu-compile]'")
 @pytest.mark.slow
 def test_long_context_tool_sizes_the_step_for_a_v5p_chip():
-    result = subprocess.run([sys.executable, str(LONG_CONTEXT), *TINY, "--target", "v5p", "--json"],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run([sys.executable, str(LONG_CONTEXT), *TINY, "--target", "v5p", "--scan-layers", "false",
+                             "--json"], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-2000:]
     report = json.loads(result.stdout)
     assert report["target"] == "v5p" and report["fits"] and report["device_memory"] == 95 * 2**30
+    assert report["scan_layers"] is False  # "auto" scans on a TPU
     assert 0 < report["total_bytes"] < 2**30

@@ -6,7 +6,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from qwen35_jax.config import REMAT_POLICIES, Qwen35Config
+from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS, Qwen35Config
 from qwen35_jax.memory.budget import step_budget
 from qwen35_jax.memory.search import longest_fitting, parse_bytes
 from qwen35_jax.memory.step_memory import StepMemory, step_memory
@@ -22,12 +22,16 @@ def components(m: StepMemory) -> dict[str, int]:
 
 def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = None, remat: str = "nested",
         gdn_mode: str = "all_to_all", tile: int | None = 8192, start: int | None = None,
-        target: str | None = None, log: Callable[[str], None] | None = print) -> dict[str, Any]:
+        target: str | None = None, scan_layers: str = "auto",
+        log: Callable[[str], None] | None = print) -> dict[str, Any]:
     """target: a GPU or TPU of `targets.COMPILE_TARGETS` whose compiler sizes the step (device_memory
-    None: that device's); None: this process's devices (simulated ones on CPU, device_memory required)."""
+    None: that device's); None: this process's devices (simulated ones on CPU, device_memory required).
+    scan_layers: a key of `config.SCAN_LAYERS_FLAGS` ("auto": as the target's platform resolves it, a
+    GPU's without a target)."""
     import jax
 
     from qwen35_jax.memory.targets import target_backend, target_compiler, target_memory_bytes
+    from qwen35_jax.model import scans_layers
     from qwen35_jax.parallel.mesh import parse_mesh
 
     measurable = tuple(policy for policy in REMAT_POLICIES if policy != "auto")
@@ -36,6 +40,8 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
                          "choice among 'none', 'mlp' and 'full' at its first step)")
     if gdn_mode not in GDN_MODES:
         raise ValueError(f"--gdn-mode {gdn_mode!r} is not one of {GDN_MODES}")
+    if scan_layers not in SCAN_LAYERS_FLAGS:
+        raise ValueError(f"--scan-layers {scan_layers!r} is not one of {tuple(SCAN_LAYERS_FLAGS)}")
     backend = jax.default_backend() if target is None else target_backend(target)  # checks the name
     if device_memory is None and target is None:
         raise ValueError("--device-memory is needed without --target")
@@ -43,7 +49,9 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
     fsdp, sp = parse_mesh(mesh, fsdp_sp_product(mesh))
     if target is None and fsdp * sp > jax.device_count():
         raise ValueError(f"--mesh {mesh} needs {fsdp * sp} devices, there are {jax.device_count()}")
-    config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat)
+    config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
+                                 scan_layers=SCAN_LAYERS_FLAGS[scan_layers])
+    scanned = scans_layers(config, backend="tpu" if backend == "tpu" else "gpu")  # as compile_train_step does
     compiler = target_compiler(target) if target else f"XLA:{backend.upper()}"
     say = log or (lambda _: None)
     granule = sp * config.gdn_chunk(backend)
@@ -63,7 +71,8 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
             fixed = sum(step_budget(config, granule, (fsdp, sp), tile=tile).values()) - per_token
             guess = max(granule, (limit - fixed) / max(per_token / granule, 1) / 4)
             start = 2 ** max(int(math.log2(granule)), int(math.log2(guess)))
-        say(f"# {preset}, mesh fsdp={fsdp},sp={sp}, remat {remat}, GDN {gdn_mode}, tile {tile}, "
+        say(f"# {preset}, mesh fsdp={fsdp},sp={sp}, remat {remat}, blocks {'scanned' if scanned else 'unrolled'}, "
+            f"GDN {gdn_mode}, tile {tile}, "
             f"limit {limit / 2**30:.1f} GiB per device, compiled by {compiler}")
         found, _ = longest_fitting(measure, limit, start=start, granule=granule, log=say)
         if found is None:
@@ -81,7 +90,8 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
         say(f"  {name:<50} {value / 2**30:9.2f} GiB")
     return {"preset": preset, "mesh": f"fsdp={fsdp},sp={sp}", "seq": best.seq, "fits": fits,
             "total_bytes": best.total, "components": parts, "budget": budget, "remat": remat,
-            "gdn_mode": gdn_mode, "tile": tile, "device_memory": limit, "target": target, "compile_s": round(best.compile_s, 1)}
+            "gdn_mode": gdn_mode, "scan_layers": scanned, "tile": tile, "device_memory": limit, "target": target,
+            "compile_s": round(best.compile_s, 1)}
 
 
 def fsdp_sp_product(spec: str) -> int:

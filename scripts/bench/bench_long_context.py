@@ -37,6 +37,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, help="check this one length instead of searching")
     parser.add_argument("--remat", default="nested", help="remat policy (default nested; see REMAT_POLICIES)")
     parser.add_argument("--gdn-mode", default="all_to_all", help="GDN sp mode: all_to_all or state_passing")
+    parser.add_argument("--scan-layers", default="auto", help="auto, true (the repeating block compiled once and "
+                        "scanned) or false (the blocks one after another); auto: as the target's platform "
+                        "resolves it (a GPU's without --target)")
     parser.add_argument("--tile", type=int, default=8192, help="sequence tile in tokens, 0 = untiled (default 8192)")
     parser.add_argument("--start", type=int, help="first power of two of the search (default from the budget)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
@@ -56,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     device_memory = args.device_memory or (None if args.target else "141GB")
     result = run(preset=args.preset, mesh=args.mesh, device_memory=device_memory, seq=args.seq,
                  remat=args.remat, gdn_mode=args.gdn_mode, tile=args.tile or None, start=args.start,
-                 target=args.target, log=None if args.json else print)
+                 target=args.target, scan_layers=args.scan_layers, log=None if args.json else print)
     if args.json:
         print(json.dumps(result))
     return 0
