@@ -9,7 +9,7 @@ from typing import Any
 from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS, Qwen35Config
 from qwen35_jax.memory.budget import step_budget
 from qwen35_jax.memory.search import longest_fitting, parse_bytes
-from qwen35_jax.memory.step_memory import StepMemory, step_memory
+from qwen35_jax.memory.step_memory import StepMemory, step_memory, traced_platform
 from qwen35_jax.layers.gdn_state_passing import GDN_MODES
 
 
@@ -51,7 +51,7 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
         raise ValueError(f"--mesh {mesh} needs {fsdp * sp} devices, there are {jax.device_count()}")
     config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
                                  scan_layers=SCAN_LAYERS_FLAGS[scan_layers])
-    scanned = scans_layers(config, backend="tpu" if backend == "tpu" else "gpu")  # as compile_train_step does
+    scanned = scans_layers(config, backend=traced_platform(target))
     compiler = target_compiler(target) if target else f"XLA:{backend.upper()}"
     say = log or (lambda _: None)
     granule = sp * config.gdn_chunk(backend)

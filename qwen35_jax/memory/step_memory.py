@@ -66,6 +66,12 @@ def abstract_train_state(config: Qwen35Config, mesh: jax.sharding.Mesh,
     return graphdef, params, opt_state
 
 
+def traced_platform(target: str | None) -> str:
+    """The platform whose program `compile_train_step` builds for `target`: the target's ("gpu" or
+    "tpu"), and without one a GPU's (on this process's devices, its kernels interpreted)."""
+    return "gpu" if target is None else target_backend(target)
+
+
 def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *,
                        gdn_mode: str = "all_to_all", attention: str = "pallas",
                        gdn_scan: str = "pallas", tile: int | None = DEFAULT_SEQUENCE_TILE,
@@ -86,19 +92,16 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     and memory. A TPU target runs the TPU's kernels: the Pallas TPU attention ("pallas" is it there)
     and the associative GDN chunk scan ("pallas" is taken as "auto"), its layers as a TPU lays them out."""
     fsdp, sp = mesh_shape
+    if config.scan_layers == "auto":
+        config = config.replace(scan_layers=scans_layers(config, backend=traced_platform(target)))
     if target is not None:  # all of it traced as on the target, the jit's compiler options included
-        backend = target_backend(target)
-        if backend == "tpu":
-            gdn_scan = "auto" if gdn_scan == "pallas" else gdn_scan
-            if config.scan_layers == "auto":
-                config = config.replace(scan_layers=scans_layers(config, backend="tpu"))
+        if target_backend(target) == "tpu" and gdn_scan == "pallas":
+            gdn_scan = "auto"
         with traced_as(target):
             return compile_train_step(config, seq, mesh_shape, gdn_mode=gdn_mode, attention=attention,
                                       gdn_scan=gdn_scan, tile=tile, lm_head_mode=lm_head_mode, batch=batch,
                                       devices=target_devices(target, fsdp * sp), gdn_precision=gdn_precision,
                                       logprob_backend=logprob_backend)
-    if config.scan_layers == "auto":
-        config = config.replace(scan_layers=scans_layers(config, backend="gpu"))
     devs = list(jax.devices() if devices is None else devices)[: fsdp * sp]
     mesh = make_mesh(mesh_shape, devices=devs)
     tx = make_optimizer(make_schedule(1e-5, 1000))  # the trainer's AdamW + clipping: its state is what counts

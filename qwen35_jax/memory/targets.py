@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from qwen35_jax.memory.gpu_targets import GPU_TARGETS, compile_only_devices, traced_as_gpu
-from qwen35_jax.memory.tpu_targets import TPU_TARGETS, tpu_compile_only_devices, traced_as_tpu
+from qwen35_jax.memory.gpu_targets import GPU_TARGETS, GpuTarget, compile_only_devices, traced_as_gpu
+from qwen35_jax.memory.tpu_targets import TPU_TARGETS, TpuTarget, tpu_compile_only_devices, traced_as_tpu
 
 COMPILE_TARGETS = (*GPU_TARGETS, *TPU_TARGETS)
 
@@ -22,15 +22,18 @@ def target_backend(target: str) -> str:
     raise ValueError(f"--target {target!r} is not one of {COMPILE_TARGETS}")
 
 
+def _description(target: str) -> GpuTarget | TpuTarget:
+    return (GPU_TARGETS if target_backend(target) == "gpu" else TPU_TARGETS)[target]
+
+
 def target_memory_bytes(target: str) -> int:
     """What one device (a GPU, a TPU chip) of the target holds."""
-    return (GPU_TARGETS if target_backend(target) == "gpu" else TPU_TARGETS)[target].memory_bytes
+    return _description(target).memory_bytes
 
 
 def target_compiler(target: str) -> str:
     """The compiler and device, for a report's header: "XLA:GPU for NVIDIA H200"."""
-    table = GPU_TARGETS if target_backend(target) == "gpu" else TPU_TARGETS
-    return f"XLA:{target_backend(target).upper()} for {table[target].description}"
+    return f"XLA:{target_backend(target).upper()} for {_description(target).description}"
 
 
 def target_devices(target: str, count: int) -> list[Any]:
