@@ -16,6 +16,7 @@ from jaxpr_testutil import all_equations
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.chunk_states import gdn_chunk_scan, gdn_remat, resolve_gdn_remat
 from qwen35_jax.layers.gated_deltanet import GatedDeltaNet, gdn_core
+from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 
 B = 2
 
@@ -154,8 +155,10 @@ def test_packed_documents_equal_separate_runs():
 def test_gdn_core_rejects_mismatched_heads():
     z = jnp.zeros
     with pytest.raises(ValueError, match="multiple of key heads"):
-        gdn_core(z((1, 4, 2, 8)), z((1, 4, 2, 8)), z((1, 4, 3, 8)), z((1, 4, 3, 8)), z((1, 4, 3)), z((1, 4, 3)),
-                 z((4, 2, 8)), z((4, 2, 8)), z((4, 3, 8)), z((3,)), z((3,)), z((8,)), None, eps=1e-6, chunk_size=4)
+        gdn_core(GdnTokens(z((1, 4, 2, 8)), z((1, 4, 2, 8)), z((1, 4, 3, 8)), z((1, 4, 3, 8)), z((1, 4, 3)),
+                           z((1, 4, 3))),
+                 GdnWeights(z((4, 2, 8)), z((4, 2, 8)), z((4, 3, 8)), z((3,)), z((3,)), z((8,))), None,
+                 eps=1e-6, chunk_size=4)
 
 
 def test_bfloat16_compute_close_to_float32():
@@ -186,7 +189,8 @@ def test_states_remat_keeps_inputs_chunk_states_and_rule_output_only():
             rnd(B_, S, hv), rnd(4, hk, d), rnd(4, hk, d), rnd(4, hv, d), rnd(hv), rnd(hv), rnd(d))
 
     def loss(*a):
-        return jnp.sum(gdn_core(*a, jnp.ones((B_, S), jnp.int32), eps=1e-6, chunk_size=16))
+        return jnp.sum(gdn_core(GdnTokens(*a[:6]), GdnWeights(*a[6:]), jnp.ones((B_, S), jnp.int32), eps=1e-6,
+                                chunk_size=16))
 
     kept, checkpoints = {}, {}
     for remat in ("none", "states"):

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from qwen35_jax.layers.gdn_arrays import GdnWeights
 from qwen35_jax.layers.gdn_inputs import causal_conv1d_silu
 from qwen35_jax.layers.stored_cotangent import materialized, stored_cotangent
 from qwen35_jax.xla_options import compiler_options
@@ -185,7 +186,7 @@ def test_rule_inputs_by_kernels_match_float64():
     convs = [jnp.asarray(rng.normal(size=(4, h, D)) * 0.5, jnp.float32) for h in (Hk, Hk, Hv)]
     A_log, dt_bias = jnp.asarray(rng.normal(size=Hv), jnp.float32), jnp.asarray(rng.normal(size=Hv), jnp.float32)
     seg = jnp.asarray(np.r_[np.ones(12), np.full(17, 2), np.zeros(3)].astype(np.int32)[None])
-    args = (q, k, v, b, a, *convs, A_log, dt_bias, seg)
+    args = (q, k, v, b, a, GdnWeights(*convs, A_log, dt_bias, jnp.ones(D)), seg)
     got, xla = rule_inputs(*args, kernels=True), rule_inputs(*args, kernels=False)
     valid, doc = document_index(seg, B, S)
     with jax.enable_x64(True):
@@ -233,11 +234,11 @@ def test_rule_inputs_use_the_kernels_on_gpu_with_the_pallas_chunk_scan_only(monk
     conv = jnp.zeros((4, H, D), jnp.bfloat16)
     seg = jnp.ones((B, S), jnp.int32)
     halo = (q[:, :3], q[:, :3], q[:, :3], seg[:, :3])
+    weights = GdnWeights(conv, conv, conv, jnp.zeros(H), jnp.zeros(H), jnp.zeros(D))
 
     def kernels(scan, halo=None):
         with gdn_chunk_scan(scan):
-            jaxpr = jax.make_jaxpr(lambda q: rule_inputs(q, q, q, b, b, conv, conv, conv, jnp.zeros(H), jnp.zeros(H),
-                                                         seg, halo))(q)
+            jaxpr = jax.make_jaxpr(lambda q: rule_inputs(q, q, q, b, b, weights, seg, halo))(q)
         return sorted(e.params["name"] for e in all_equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call")
 
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")

@@ -16,6 +16,7 @@ from flax import nnx
 
 from qwen35_jax.config import REMAT_POLICIES, Qwen35Config
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 from qwen35_jax.layers.tiling import sequence_tile
 from qwen35_jax.model import Qwen35ForCausalLM, check_offload_supported
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings
@@ -220,14 +221,14 @@ def test_tiled_gdn_core_equals_untiled(scan):
 
     def run(tile, *xs):
         with sequence_tile(tile), gdn_chunk_scan(scan):
-            return gdn_core(*xs, seg, eps=1e-6, chunk_size=4)
+            return gdn_core(GdnTokens(*xs[:6]), GdnWeights(*xs[6:]), seg, eps=1e-6, chunk_size=4)
 
     def loss(tile):
         return lambda *xs: jnp.sum(jnp.sin(run(tile, *xs)))
 
     assert "scan[" in str(jax.make_jaxpr(functools.partial(run, 16))(*args))
     assert_close(run(16, *args), run(None, *args), "outputs")
-    names = "q k v z b a conv_q conv_k conv_v A_log dt_bias norm_weight".split()
+    names = GdnTokens._fields + GdnWeights._fields
     want = jax.grad(loss(None), argnums=tuple(range(12)))(*args)
     got = jax.grad(loss(16), argnums=tuple(range(12)))(*args)
     for name, x, y in zip(names, got, want):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from qwen35_jax.layers.attention import attention_core
+from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 from qwen35_jax.parallel.mesh import make_mesh
 from qwen35_jax.parallel.hlo import collectives
 from qwen35_jax.parallel.ulysses import (
@@ -133,13 +134,12 @@ def _gdn_inputs(b, s, hk, hv, d, kc, seed=1):
         return scale * jax.random.normal(next(keys), shape)
 
     _, _, _, seg, _ = _attention_inputs(b, s, 1, 1, 1, seed=seed)
-    args = (
-        rnd(b, s, hk, d), rnd(b, s, hk, d), rnd(b, s, hv, d), rnd(b, s, hv, d),  # q k v z
-        rnd(b, s, hv), rnd(b, s, hv),  # b a
-        rnd(kc, hk, d, scale=0.5), rnd(kc, hk, d, scale=0.5), rnd(kc, hv, d, scale=0.5),  # conv q k v
-        rnd(hv, scale=0.5), rnd(hv, scale=0.5), 1.0 + rnd(d, scale=0.1),  # A_log dt_bias norm
-    )
-    return args, seg, rnd(b, s, hv, d)
+    tokens = GdnTokens(q=rnd(b, s, hk, d), k=rnd(b, s, hk, d), v=rnd(b, s, hv, d), z=rnd(b, s, hv, d),
+                       b=rnd(b, s, hv), a=rnd(b, s, hv))
+    weights = GdnWeights(conv_q=rnd(kc, hk, d, scale=0.5), conv_k=rnd(kc, hk, d, scale=0.5),
+                         conv_v=rnd(kc, hv, d, scale=0.5), A_log=rnd(hv, scale=0.5), dt_bias=rnd(hv, scale=0.5),
+                         norm_weight=1.0 + rnd(d, scale=0.1))
+    return (tokens, weights), seg, rnd(b, s, hv, d)  # the mixer's first two arguments, ids, a cotangent
 
 
 @pytest.mark.parametrize(
@@ -171,8 +171,7 @@ def test_ulysses_gdn_matches(layout, key_heads):
         got = jax.jit(sharded)(*args)
         got_grads = jax.jit(jax.grad(loss), static_argnums=1)(args, sharded)
     assert_close(got, want)
-    for g, gw in zip(got_grads, want_grads):
-        assert_close(g, gw)
+    jax.tree.map(assert_close, got_grads, want_grads)
 
 
 def test_ulysses_gdn_value_heads_error():
@@ -245,8 +244,7 @@ def test_gdn_state_passing_matches(layout, key_heads, scan, tile):
             assert scans(sharded) >= scans(sharded_with(None)) + 2
         got_grads = jax.jit(jax.grad(loss), static_argnums=1)(args, sharded)
     assert_close(got, want)
-    for g, gw in zip(got_grads, want_grads):
-        assert_close(g, gw)
+    jax.tree.map(assert_close, got_grads, want_grads)
     ops = collectives(hlo)
     assert not [c for c in ops if c.op == "all-to-all"]  # states and halos only
     assert all(32 not in dims for c in ops for _, dims in c.shapes)  # nothing sequence-long moves

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights, check_gdn_arrays, conv_halo
 from qwen35_jax.layers.gdn_segment import gdn_segment
 from qwen35_jax.layers.gdn_state_passing import current_gdn_mode, gdn_state_passing
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core
@@ -25,18 +26,8 @@ from qwen35_jax.parallel.ulysses import active_sp_mesh, ulysses_gdn
 
 
 def gdn_core(
-    q: jax.Array,  # [B, S, Hk, Dk] raw in_proj_qkv output (before the conv)
-    k: jax.Array,  # [B, S, Hk, Dk]
-    v: jax.Array,  # [B, S, Hv, Dv]
-    z: jax.Array,  # [B, S, Hv, Dv] output gate
-    b: jax.Array,  # [B, S, Hv]
-    a: jax.Array,  # [B, S, Hv]
-    conv_q: jax.Array,  # [Kc, Hk, Dk]
-    conv_k: jax.Array,  # [Kc, Hk, Dk]
-    conv_v: jax.Array,  # [Kc, Hv, Dv]
-    A_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    norm_weight: jax.Array,  # [Dv]
+    tokens: GdnTokens,  # q, k [B, S, Hk, Dk], v, z [B, S, Hv, Dv], b, a [B, S, Hv]: raw projections
+    weights: GdnWeights,  # conv kernels [Kc, H, d], A_log, dt_bias [Hv], norm_weight [Dv]
     segment_ids: jax.Array | None,  # [B, S] document ids >= 1, 0 = padding
     *,
     eps: float,
@@ -48,40 +39,34 @@ def gdn_core(
     zeroed before the conv, leave the state untouched and output zeros. Sequences longer than the
     delta rule's tile (`tiling.sequence_tile`) run tile by tile (`gdn_tiling.tiled_gdn_core`).
     """
-    B, S, Hk, Dk = q.shape
-    Hv, Dv = v.shape[2:]
-    if k.shape != q.shape or v.shape[:2] != (B, S) or z.shape != v.shape:
-        raise ValueError(f"gdn_core: q {q.shape}, k {k.shape}, v {v.shape}, z {z.shape} do not agree")
-    if b.shape != (B, S, Hv) or a.shape != (B, S, Hv):
-        raise ValueError(f"gdn_core: b {b.shape} and a {a.shape} must be [B, S, Hv] = {(B, S, Hv)}")
-    if Hv % Hk:
-        raise ValueError(f"gdn_core: value heads ({Hv}) must be a multiple of key heads ({Hk})")
-    if conv_q.shape[1:] != (Hk, Dk) or conv_k.shape != conv_q.shape or conv_v.shape[1:] != (Hv, Dv):
-        raise ValueError(
-            f"gdn_core: conv kernels q {conv_q.shape}, k {conv_k.shape}, v {conv_v.shape} do not match the heads")
+    check_gdn_arrays(tokens, weights, "gdn_core")
+    B, S = tokens.q.shape[:2]
     tile = delta_rule_tile(chunk_size)
     if tile is not None and S > tile:  # long sequences: the whole mixer tile by tile
         if segment_ids is None:
             segment_ids = jnp.ones((B, S), jnp.int32)
-        weights = (conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight)
         segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size)
-        return tiled_gdn_core(segment, q, k, v, z, b, a, weights, segment_ids, tile=tile,
-                              halo=conv_q.shape[0] - 1)
-    out, _ = gdn_segment(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids,
-                         eps=eps, chunk_size=chunk_size)
+        return tiled_gdn_core(segment, tokens, weights, segment_ids, tile=tile, halo=conv_halo(weights))
+    out, _ = gdn_segment(tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size)
     return out
 
 
-def sharded_gdn_core(*args: jax.Array, eps: float, chunk_size: int) -> jax.Array:  # [B, S/sp, Hv, Dv]
-    """`gdn_core`'s 13 arrays, the sequence-long ones as this device's shard [B, S/sp, ...], under the
-    context mesh's sequence parallelism: the seq <-> heads all-to-all around `gdn_core` (`ulysses_gdn`,
-    the default) or, inside `gdn_sp_mode("state_passing")`, states passed between sequence shards
-    (`gdn_state_passing`). Without a multi-device mesh `gdn_core` itself; at sp = 1 on one, `gdn_core` on
-    each device's rows."""
+def sharded_gdn_core(
+    tokens: GdnTokens,  # [B, S/sp, ...] each: this device's sequence shard
+    weights: GdnWeights,
+    segment_ids: jax.Array,  # [B, S/sp]
+    *,
+    eps: float,
+    chunk_size: int,
+) -> jax.Array:  # [B, S/sp, Hv, Dv]
+    """`gdn_core` under the context mesh's sequence parallelism: the seq <-> heads all-to-all around
+    it (`ulysses_gdn`, the default) or, inside `gdn_sp_mode("state_passing")`, states passed between
+    sequence shards (`gdn_state_passing`). Without a multi-device mesh `gdn_core` itself; at sp = 1 on
+    one, `gdn_core` on each device's rows."""
     mesh = active_sp_mesh()
     if mesh is not None and current_gdn_mode() == "state_passing":
-        return gdn_state_passing(*args, mesh=mesh, eps=eps, chunk_size=chunk_size)
-    return ulysses_gdn(gdn_core, *args, eps=eps, chunk_size=chunk_size)
+        return gdn_state_passing(tokens, weights, segment_ids, mesh=mesh, eps=eps, chunk_size=chunk_size)
+    return ulysses_gdn(gdn_core, tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size)
 
 
 class DepthwiseConvKernel(nnx.Module):
@@ -133,19 +118,17 @@ class GatedDeltaNet(nnx.Module):
         x = x.astype(jnp.dtype(self.config.dtype))
 
         q, k, v = self.in_proj_qkv.parts(x, (Hk * Dk, Hk * Dk, Hv * Dv))  # [B, S, .] each
-        q, k, v = q.reshape(B, S, Hk, Dk), k.reshape(B, S, Hk, Dk), v.reshape(B, S, Hv, Dv)
-        z = self.in_proj_z(x).reshape(B, S, Hv, Dv)
-        b = self.in_proj_b(x)  # [B, S, Hv]
-        a = self.in_proj_a(x)  # [B, S, Hv]
+        tokens = GdnTokens(q=q.reshape(B, S, Hk, Dk), k=k.reshape(B, S, Hk, Dk), v=v.reshape(B, S, Hv, Dv),
+                           z=self.in_proj_z(x).reshape(B, S, Hv, Dv),
+                           b=self.in_proj_b(x), a=self.in_proj_a(x))  # b, a: [B, S, Hv]
 
-        w = self.conv1d.kernel[...]  # [Kc, C]
+        w = self.conv1d.kernel[...]  # [Kc, C], channels q, k, v
         Kc = w.shape[0]
-        conv_q = w[:, : Hk * Dk].reshape(Kc, Hk, Dk)
-        conv_k = w[:, Hk * Dk : 2 * Hk * Dk].reshape(Kc, Hk, Dk)
-        conv_v = w[:, 2 * Hk * Dk :].reshape(Kc, Hv, Dv)
+        weights = GdnWeights(conv_q=w[:, : Hk * Dk].reshape(Kc, Hk, Dk),
+                             conv_k=w[:, Hk * Dk : 2 * Hk * Dk].reshape(Kc, Hk, Dk),
+                             conv_v=w[:, 2 * Hk * Dk :].reshape(Kc, Hv, Dv),
+                             A_log=self.A_log[...], dt_bias=self.dt_bias[...], norm_weight=self.norm.weight[...])
 
-        out = sharded_gdn_core(q, k, v, z, b, a, conv_q, conv_k, conv_v, self.A_log[...], self.dt_bias[...],
-                               self.norm.weight[...], segment_ids,
-                               eps=self.config.rms_norm_eps,
+        out = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps,
                                chunk_size=self.config.gdn_chunk(jax.default_backend()))  # [B, S, Hv, Dv]
         return self.out_proj(out.reshape(B, S, Hv * Dv))

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from qwen35_jax.layers import gdn_inputs_pallas
 from qwen35_jax.layers.chunk_states import inside_recomputed_mixer, resolve_gdn_chunk_scan
 from qwen35_jax.layers.delta_rule import document_index
+from qwen35_jax.layers.gdn_arrays import GdnWeights
 from qwen35_jax.layers.gdn_matmul import operand_dtype, resolve_gdn_precision
 from qwen35_jax.layers.stored_cotangent import stored_cotangent
 
@@ -75,11 +76,7 @@ def rule_inputs(
     v: jax.Array,  # [B, T, Hv, Dv]
     b: jax.Array,  # [B, T, Hv]
     a: jax.Array,  # [B, T, Hv]
-    conv_q: jax.Array,  # [Kc, Hk, Dk]
-    conv_k: jax.Array,  # [Kc, Hk, Dk]
-    conv_v: jax.Array,  # [Kc, Hv, Dv]
-    A_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
+    weights: GdnWeights,  # the conv kernels [Kc, H, d], A_log and dt_bias [Hv] (norm_weight unused)
     segment_ids: jax.Array | None,  # [B, T] document ids >= 1, 0 = padding
     halo: tuple[jax.Array, ...] | None = None,  # raw q, k, v [B, h, H, d] and ids [B, h] of the h tokens before
     kernels: bool | None = None,
@@ -93,6 +90,7 @@ def rule_inputs(
     q and k then in the dtype the delta rule stores them (`gdn_matmul.operand_dtype`: bfloat16 under
     bf16 GDN matmuls)."""
     B, T, _, Dk = q.shape
+    conv_q, conv_k, conv_v, A_log, dt_bias = weights[:5]
     if kernels is None:
         kernels = jax.default_backend() == "gpu" and resolve_gdn_chunk_scan() == "pallas"
     if kernels and halo is None and all(gdn_inputs_pallas.fits(T, x.shape[-1]) for x in (q, v)):

@@ -12,23 +12,14 @@ from jax.ad_checkpoint import checkpoint_name
 
 from qwen35_jax.layers.chunk_states import RULE_OUTPUT_NAME, apply_gdn_remat
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.norms import gated_rms_norm
 
 
 def gdn_segment(
-    q: jax.Array,  # [B, T, Hk, Dk] raw, T tokens of a sequence
-    k: jax.Array,  # [B, T, Hk, Dk]
-    v: jax.Array,  # [B, T, Hv, Dv]
-    z: jax.Array,  # [B, T, Hv, Dv]
-    b: jax.Array,  # [B, T, Hv]
-    a: jax.Array,  # [B, T, Hv]
-    conv_q: jax.Array,  # [Kc, Hk, Dk]
-    conv_k: jax.Array,  # [Kc, Hk, Dk]
-    conv_v: jax.Array,  # [Kc, Hv, Dv]
-    A_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    norm_weight: jax.Array,  # [Dv]
+    tokens: GdnTokens,  # [B, T, ...] raw projections of T consecutive tokens of a sequence
+    weights: GdnWeights,
     segment_ids: jax.Array | None,  # [B, T]
     *,
     eps: float,
@@ -39,14 +30,14 @@ def gdn_segment(
     """`gdn_core` on T consecutive tokens: without `halo` the conv window starts at the first token
     (zeros before it); with it, the conv reads the halo tokens (stopping at document starts). What the
     backward pass keeps of it is `chunk_states.gdn_remat`'s choice."""
-    def segment(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids, halo,
-                initial_state):
-        dtype = q.dtype
-        q, k, v, g, beta = rule_inputs(q, k, v, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, segment_ids, halo)
+    def segment(tokens: GdnTokens, weights: GdnWeights, segment_ids: jax.Array | None,
+                halo: tuple[jax.Array, ...] | None, initial_state: jax.Array | None
+                ) -> tuple[jax.Array, jax.Array]:
+        dtype = tokens.q.dtype
+        q, k, v, g, beta = rule_inputs(tokens.q, tokens.k, tokens.v, tokens.b, tokens.a, weights, segment_ids, halo)
         out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids,
                                               initial_state=initial_state, chunk_size=chunk_size, out_dtype=dtype)
         out = checkpoint_name(out, RULE_OUTPUT_NAME)  # [B, T, Hv, Dv]
-        return gated_rms_norm(out, z, norm_weight, eps), state
+        return gated_rms_norm(out, tokens.z, weights.norm_weight, eps), state
 
-    return apply_gdn_remat(segment)(q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight,
-                                    segment_ids, halo, initial_state)
+    return apply_gdn_remat(segment)(tokens, weights, segment_ids, halo, initial_state)

@@ -35,6 +35,7 @@ from jax.sharding import PartitionSpec as P
 
 from qwen35_jax.layers.chunk_states import apply_gdn_remat
 from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights, conv_halo
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.gdn_segment import gdn_segment
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core, tiled_inputs
@@ -122,18 +123,8 @@ def _identity_map(b: int, hv: int, dk: int) -> jax.Array:  # [B, Hv, Dk, Dk] flo
 
 
 def _local_gdn(
-    q: jax.Array,  # [B, L, Hk, Dk], L = S/sp: this device's shard
-    k: jax.Array,  # [B, L, Hk, Dk]
-    v: jax.Array,  # [B, L, Hv, Dv]
-    z: jax.Array,  # [B, L, Hv, Dv]
-    b: jax.Array,  # [B, L, Hv]
-    a: jax.Array,  # [B, L, Hv]
-    conv_q: jax.Array,  # [Kc, Hk, Dk]
-    conv_k: jax.Array,  # [Kc, Hk, Dk]
-    conv_v: jax.Array,  # [Kc, Hv, Dv]
-    A_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    norm_weight: jax.Array,  # [Dv]
+    tokens: GdnTokens,  # [B, L, ...], L = S/sp: this device's shard
+    weights: GdnWeights,
     segment_ids: jax.Array,  # [B, L]
     *,
     eps: float,
@@ -144,24 +135,24 @@ def _local_gdn(
     """The whole shard at once (tile None): one pass with S_0 = 0 (outputs and C), one with S_0 = I
     and v = 0 (M_t^T q_t and M), then the outputs corrected by the folded entering state. With a
     tile, `_two_sweeps`."""
+    q, k, v, z, b, a = tokens
     B, _, _, Dk = q.shape
-    halo, reset = _halo_and_reset(q, k, v, segment_ids, conv_q.shape[0] - 1, sp)
-    weights = (conv_q, conv_k, conv_v, A_log, dt_bias)
+    halo, reset = _halo_and_reset(q, k, v, segment_ids, conv_halo(weights), sp)
     if tile is not None:
-        return _two_sweeps((q, k, v, z, b, a), (*weights, norm_weight), segment_ids, halo, reset,
-                           eps=eps, chunk_size=chunk_size, sp=sp, tile=tile)
+        return _two_sweeps(tokens, weights, segment_ids, halo, reset, eps=eps, chunk_size=chunk_size, sp=sp,
+                           tile=tile)
     dtype = q.dtype
-    q, k, v, g, beta = rule_inputs(q, k, v, b, a, *weights, segment_ids, halo)
+    q, k, v, g, beta = rule_inputs(q, k, v, b, a, weights, segment_ids, halo)
     out0, c_end, mq, m_end = _state_map_passes(q, k, v, g, beta, _identity_map(B, v.shape[2], Dk), None,
                                                segment_ids=segment_ids, chunk_size=chunk_size)
     start = _entering_state(m_end, c_end, reset, sp)
     out = out0 + jnp.einsum("bshk,bhkv->bshv", mq, start, precision=jax.lax.Precision.HIGHEST)
-    return gated_rms_norm(out.astype(dtype), z, norm_weight, eps)  # [B, L, Hv, Dv]
+    return gated_rms_norm(out.astype(dtype), z, weights.norm_weight, eps)  # [B, L, Hv, Dv]
 
 
 def _two_sweeps(
-    raw: tuple[jax.Array, ...],  # q, k, v, z, b, a of the shard, as `_local_gdn` takes them
-    weights: tuple[jax.Array, ...],  # conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight
+    tokens: GdnTokens,  # [B, L, ...] the shard's raw projections
+    weights: GdnWeights,
     segment_ids: jax.Array,  # [B, L]
     halo: tuple[jax.Array, ...],  # the raw q, k, v [B, Kc - 1, H, d] before the shard and their ids
     reset: jax.Array,  # [B] the state handed in is dropped
@@ -176,44 +167,34 @@ def _two_sweeps(
     and both delta-rule passes, no outputs); the second, once the entering state is known, is the
     tiled mixer (`gdn_tiling.tiled_gdn_core`) started from it. It recomputes the conv, norms, gates and
     one delta-rule pass, to keep a long shard's memory at the tiled all-to-all mixer's."""
-    q, k, v, z, b, a = raw
+    q, k, v, _, b, a = tokens
     B, _, _, Dk = q.shape
     Hv, Dv = v.shape[2:]
-    h = weights[0].shape[0] - 1
+    h = conv_halo(weights)
     tiles, ids = tiled_inputs((q, k, v, b, a), segment_ids, tile, h, halo)
 
-    def one(state: jax.Array, xs: tuple[jax.Array, ...], ws: tuple[jax.Array, ...], ids_i: tuple[jax.Array, ...]
+    def one(state: jax.Array, xs: tuple[jax.Array, ...], ws: GdnWeights, ids_i: tuple[jax.Array, ...]
             ) -> tuple[jax.Array, jax.Array]:  # [M | C] entering [B, Hv, Dk, Dk + Dv] -> (unused [B, 1], after)
         qt, kt, vt, bt, at, hq, hk, hv = xs
         st, hs = ids_i
-        qr, kr, vr, g, beta = rule_inputs(qt, kt, vt, bt, at, *ws, st, (hq, hk, hv, hs))
+        qr, kr, vr, g, beta = rule_inputs(qt, kt, vt, bt, at, ws, st, (hq, hk, hv, hs))
         _, c_after, _, m_after = _state_map_passes(qr, kr, vr, g, beta, state[..., :Dk], state[..., Dk:],
                                                    segment_ids=st, chunk_size=chunk_size)
         return jnp.zeros((B, 1), jnp.float32), jnp.concatenate([m_after, c_after], axis=-1)
 
     state0 = jnp.concatenate([_identity_map(B, Hv, Dk), jnp.zeros((B, Hv, Dk, Dv), jnp.float32)],
                              axis=-1)  # M = I, C = 0
-    _, ends = tile_scan(one, state0, tiles, weights[:5], ids,
+    _, ends = tile_scan(one, state0, tiles, weights, ids,
                         document_starts_tile(ids[0]))  # a document start inside the shard drops M and C
     start = _entering_state(ends[..., :Dk], ends[..., Dk:], reset, sp)
     segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size)
-    return tiled_gdn_core(segment, *raw, weights, segment_ids, tile=tile, halo=h, first_halo=halo,
+    return tiled_gdn_core(segment, tokens, weights, segment_ids, tile=tile, halo=h, first_halo=halo,
                           initial_state=start)
 
 
 def gdn_state_passing(
-    q: jax.Array,  # [B, S/sp, Hk, Dk]
-    k: jax.Array,  # [B, S/sp, Hk, Dk]
-    v: jax.Array,  # [B, S/sp, Hv, Dv]
-    z: jax.Array,  # [B, S/sp, Hv, Dv]
-    b: jax.Array,  # [B, S/sp, Hv]
-    a: jax.Array,  # [B, S/sp, Hv]
-    conv_q: jax.Array,  # [Kc, Hk, Dk]
-    conv_k: jax.Array,  # [Kc, Hk, Dk]
-    conv_v: jax.Array,  # [Kc, Hv, Dv]
-    A_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    norm_weight: jax.Array,  # [Dv]
+    tokens: GdnTokens,  # [B, S/sp, ...] each: this device's sequence shard of the raw projections
+    weights: GdnWeights,
     segment_ids: jax.Array,  # [B, S/sp]
     *,
     mesh: jax.sharding.AbstractMesh,
@@ -222,16 +203,16 @@ def gdn_state_passing(
 ) -> jax.Array:  # [B, S/sp, Hv, Dv]
     """The gated DeltaNet mixer on sequence shards with state passing (see the module docstring)."""
     sp = mesh_axis_size(mesh, SP)
-    bsz, s = q.shape[:2]
-    kc = conv_q.shape[0]
+    bsz, s = tokens.q.shape[:2]
+    kc = conv_halo(weights) + 1
     if s % sp:
         raise ValueError(f"sequence length {s} is not divisible by sp = {sp}; pad it (the model does)")
     if s // sp < kc - 1:
         raise ValueError(f"GDN state passing needs >= {kc - 1} tokens per shard (conv halo), got {s // sp}; "
                          "use the all_to_all mode or a smaller sp")
     batch = FSDP if bsz % mesh_axis_size(mesh, FSDP) == 0 else None
-    seq4, seq3, seq2 = P(batch, SP, None, None), P(batch, SP, None), P(batch, SP)
-    in_specs = (seq4, seq4, seq4, seq4, seq3, seq3, P(), P(), P(), P(), P(), P(), seq2)
+    seq4, seq3 = P(batch, SP, None, None), P(batch, SP, None)
+    in_specs = (GdnTokens(q=seq4, k=seq4, v=seq4, z=seq4, b=seq3, a=seq3), GdnWeights(*[P()] * 6), P(batch, SP))
 
     tile = delta_rule_tile(chunk_size)
     if tile is not None and s // sp > tile:  # long shards: two sweeps of tiles, their backward written out
@@ -241,4 +222,4 @@ def gdn_state_passing(
 
     with jax.named_scope(GDN_STATE_SCOPE):
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq4, check_vma=False)(
-            q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids)
+            tokens, weights, segment_ids)

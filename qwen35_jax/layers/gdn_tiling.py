@@ -20,27 +20,21 @@ once this layer's backward has begun.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
+from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 from qwen35_jax.layers.tiling import document_starts_tile, stack_tiles, tile_scan, unstack_tiles
 
-# segment(q, k, v, z, b, a, *weights, segment_ids, halo=(hq, hk, hv, hseg), initial_state=S0)
+# segment(tokens, weights, segment_ids, halo=(hq, hk, hv, hseg), initial_state=S0)
 #   -> (out [B, T, Hv, Dv], final state [B, Hv, Dk, Dv])
 Segment = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def tiled_gdn_core(
     segment: Segment,
-    q: jax.Array,  # [B, S, Hk, Dk] raw (before the conv)
-    k: jax.Array,  # [B, S, Hk, Dk]
-    v: jax.Array,  # [B, S, Hv, Dv]
-    z: jax.Array,  # [B, S, Hv, Dv]
-    b: jax.Array,  # [B, S, Hv]
-    a: jax.Array,  # [B, S, Hv]
-    weights: tuple[Any, ...],  # conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight
+    tokens: GdnTokens,  # [B, S, ...] raw projections (before the conv)
+    weights: GdnWeights,
     segment_ids: jax.Array,  # [B, S] document ids >= 1, 0 = padding
     *,
     tile: int,
@@ -51,17 +45,16 @@ def tiled_gdn_core(
     """`segment` tile by tile. Without `first_halo` and `initial_state` the sequence starts at its
     first token (zeros and padding before it, a zero state); with them it continues a sequence that
     began on another device (GDN state passing)."""
-    B, S, _, Dk = q.shape
-    Hv, Dv = v.shape[2:]
+    B, S, _, Dk = tokens.q.shape
+    Hv, Dv = tokens.v.shape[2:]
     if not 0 <= halo <= tile:
         raise ValueError(f"conv halo of {halo} tokens does not fit a sequence tile of {tile}")
-    tiles, ids = tiled_inputs((q, k, v, z, b, a), segment_ids, tile, halo, first_halo)
+    tiles, ids = tiled_inputs(tuple(tokens), segment_ids, tile, halo, first_halo)
 
-    def one(state: jax.Array, xs: tuple[jax.Array, ...], ws: tuple[Any, ...], ids_i: tuple[jax.Array, ...]
+    def one(state: jax.Array, xs: tuple[jax.Array, ...], ws: GdnWeights, ids_i: tuple[jax.Array, ...]
             ) -> tuple[jax.Array, jax.Array]:  # entering state -> (out [B, tile, Hv, Dv], state after)
-        qt, kt, vt, zt, bt, at, hq, hk, hv = xs
         st, hs = ids_i
-        return segment(qt, kt, vt, zt, bt, at, *ws, st, halo=(hq, hk, hv, hs), initial_state=state)
+        return segment(GdnTokens(*xs[:6]), ws, st, halo=(*xs[6:], hs), initial_state=state)
 
     state0 = jnp.zeros((B, Hv, Dk, Dv), jnp.float32) if initial_state is None else initial_state
     out, _ = tile_scan(one, state0, tiles, weights, ids, document_starts_tile(ids[0]))

@@ -18,13 +18,14 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 from qwen35_jax.parallel.mesh import FSDP, SP, auto_mesh, mesh_axis_size
 
 # Named scopes of the two wrappers: they appear in the HLO metadata (op_name) of their collectives.
@@ -112,13 +113,18 @@ def _local_heads(w: jax.Array, arg: Arg, sp: int) -> jax.Array:
 
 def ulysses_call(
     core: Callable[..., jax.Array],
-    args: Sequence[jax.Array],
-    kinds: Sequence[Arg],
+    args: Sequence[Any],
+    kinds: Sequence[Any],
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh,
     *,
     out_head_axis: int = 2,
 ) -> jax.Array:
-    """Run `core(*args)` with sequence shards turned into head shards; returns [B, S/sp, H, ...]."""
+    """Run `core(*args)` with sequence shards turned into head shards; returns [B, S/sp, H, ...].
+    `args` may hold pytrees (the GDN mixer's NamedTuples): `kinds` then has the same structure, one
+    `Arg` per array."""
+    structure = jax.tree.structure(tuple(args))
+    kinds = structure.flatten_up_to(tuple(kinds))
+    args = structure.flatten_up_to(tuple(args))
     sp = mesh_axis_size(mesh, SP)
     first = next(a for a, k in zip(args, kinds) if k.kind == "seq_heads")
     b, s = first.shape[:2]
@@ -136,7 +142,7 @@ def ulysses_call(
 
     def local(*xs: jax.Array) -> jax.Array:
         if sp == 1:  # a batch shard of whole sequences with every head: nothing to exchange
-            return core(*xs)
+            return core(*structure.unflatten(xs))
         inner = []
         for x, k in zip(xs, kinds):
             if k.kind == "seq_heads":  # [B, S/sp, H, d] -> [B, S, H/sp, d]
@@ -146,7 +152,7 @@ def ulysses_call(
             elif k.kind == "heads":
                 x = _local_heads(x, k, sp)
             inner.append(x)
-        out = core(*inner)  # [B, S, H/sp, d]
+        out = core(*structure.unflatten(inner))  # [B, S, H/sp, d]
         return jax.lax.all_to_all(out, SP, split_axis=1, concat_axis=out_head_axis, tiled=True)
 
     # check_vma=False: the mixers are written for one device (e.g. scan carries start as plain zeros);
@@ -187,45 +193,29 @@ def ulysses_attention(
 
 def ulysses_gdn(
     core: Callable[..., jax.Array],
-    q: jax.Array,  # [B, S/sp, Hk, Dk]
-    k: jax.Array,  # [B, S/sp, Hk, Dk]
-    v: jax.Array,  # [B, S/sp, Hv, Dv]
-    z: jax.Array,  # [B, S/sp, Hv, Dv]
-    b: jax.Array,  # [B, S/sp, Hv]
-    a: jax.Array,  # [B, S/sp, Hv]
-    conv_q: jax.Array,  # [Kc, Hk, Dk]
-    conv_k: jax.Array,  # [Kc, Hk, Dk]
-    conv_v: jax.Array,  # [Kc, Hv, Dv]
-    A_log: jax.Array,  # [Hv]
-    dt_bias: jax.Array,  # [Hv]
-    norm_weight: jax.Array,  # [Dv]
+    tokens: GdnTokens,  # [B, S/sp, ...] each: this device's sequence shard of the raw projections
+    weights: GdnWeights,
     segment_ids: jax.Array,  # [B, S/sp]
     **static: object,  # eps, chunk_size
 ) -> jax.Array:  # [B, S/sp, Hv, Dv]
-    """The gated DeltaNet core sequence-parallel over value heads (key heads follow, replicated)."""
+    """The gated DeltaNet core `core(tokens, weights, segment_ids, **static)` sequence-parallel over
+    value heads (key heads follow, replicated)."""
     call = functools.partial(core, **static)
-    args = (q, k, v, z, b, a, conv_q, conv_k, conv_v, A_log, dt_bias, norm_weight, segment_ids)
     mesh = auto_mesh()
     if mesh is None:
-        return call(*args)
+        return call(tokens, weights, segment_ids)
     sp = mesh_axis_size(mesh, SP)
-    n_v, n_k = v.shape[2], q.shape[2]
+    n_v, n_k = tokens.v.shape[2], tokens.q.shape[2]
     check_heads(n_v, sp, "gated DeltaNet value heads")
     key = shared_head_index(n_v, n_k, sp)
+    per_value_head = Arg("seq_heads")
     kinds = (
-        Arg("seq_heads", index=key),
-        Arg("seq_heads", index=key),
-        Arg("seq_heads"),
-        Arg("seq_heads"),
-        Arg("seq_heads"),
-        Arg("seq_heads"),
-        Arg("heads", head_axis=1, index=key),
-        Arg("heads", head_axis=1, index=key),
-        Arg("heads", head_axis=1),
-        Arg("heads", head_axis=0),
-        Arg("heads", head_axis=0),
-        Arg("replicated"),
+        GdnTokens(q=Arg("seq_heads", index=key), k=Arg("seq_heads", index=key),
+                  v=per_value_head, z=per_value_head, b=per_value_head, a=per_value_head),
+        GdnWeights(conv_q=Arg("heads", head_axis=1, index=key), conv_k=Arg("heads", head_axis=1, index=key),
+                   conv_v=Arg("heads", head_axis=1), A_log=Arg("heads", head_axis=0),
+                   dt_bias=Arg("heads", head_axis=0), norm_weight=Arg("replicated")),
         Arg("seq"),
     )
     with jax.named_scope(GDN_SCOPE):
-        return ulysses_call(call, args, kinds, mesh)
+        return ulysses_call(call, (tokens, weights, segment_ids), kinds, mesh)
