@@ -262,6 +262,20 @@ def test_sequence_tile_rejects_negative():
 
 
 # ---------------------------------------------------------------------------- memory reader and search
+def test_compiled_step_config_is_the_traced_platforms():
+    """The memory tools compile a GPU's (or the target's) program on this CPU: "auto" layer layout and
+    GDN chunk size resolve for that platform, not for the CPU (chunks of 32 at small heads)."""
+    from qwen35_jax.memory.step_memory import traced_config
+
+    config = tiny(remat="none").replace(gdn_chunk_size="auto", scan_layers="auto")
+    assert config.gdn_chunk("cpu") == 32
+    gpu, tpu = traced_config(config, None), traced_config(config, "v5p")
+    assert (gpu.gdn_chunk_size, gpu.scan_layers) == (64, False)  # a GPU runs these blocks one after another
+    assert (tpu.gdn_chunk_size, tpu.scan_layers) == (64, True)
+    chosen = traced_config(config.replace(gdn_chunk_size=16, scan_layers=True), "h100")
+    assert (chosen.gdn_chunk_size, chosen.scan_layers) == (16, True)
+
+
 def test_train_step_memory_matches_the_parameter_count():
     """The compiled step's arguments are exactly the float32 parameters and both AdamW moments,
     ZeRO-3 sharded over 4 devices, plus the batch; the donated state is aliased."""

@@ -9,7 +9,7 @@ from typing import Any
 from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS, Qwen35Config
 from qwen35_jax.memory.budget import step_budget
 from qwen35_jax.memory.search import longest_fitting, parse_bytes
-from qwen35_jax.memory.step_memory import StepMemory, step_memory, traced_platform
+from qwen35_jax.memory.step_memory import StepMemory, step_memory, traced_config
 from qwen35_jax.layers.gdn_state_passing import GDN_MODES
 
 
@@ -31,7 +31,6 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
     import jax
 
     from qwen35_jax.memory.targets import target_backend, target_compiler, target_memory_bytes
-    from qwen35_jax.model import scans_layers
     from qwen35_jax.parallel.mesh import parse_mesh
 
     measurable = tuple(policy for policy in REMAT_POLICIES if policy != "auto")
@@ -49,12 +48,12 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
     fsdp, sp = parse_mesh(mesh, fsdp_sp_product(mesh))
     if target is None and fsdp * sp > jax.device_count():
         raise ValueError(f"--mesh {mesh} needs {fsdp * sp} devices, there are {jax.device_count()}")
-    config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
-                                 scan_layers=SCAN_LAYERS_FLAGS[scan_layers])
-    scanned = scans_layers(config, backend=traced_platform(target))
+    config = traced_config(Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
+                                               scan_layers=SCAN_LAYERS_FLAGS[scan_layers]), target)
+    scanned = config.scan_layers
     compiler = target_compiler(target) if target else f"XLA:{backend.upper()}"
     say = log or (lambda _: None)
-    granule = sp * config.gdn_chunk(backend)
+    granule = sp * config.gdn_chunk_size  # sequence shards of whole delta-rule chunks
 
     def measure(s: int) -> StepMemory:
         return step_memory(config, s, (fsdp, sp), gdn_mode=gdn_mode, tile=tile, target=target)

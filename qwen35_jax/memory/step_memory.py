@@ -72,6 +72,14 @@ def traced_platform(target: str | None) -> str:
     return "gpu" if target is None else target_backend(target)
 
 
+def traced_config(config: Qwen35Config, target: str | None) -> Qwen35Config:
+    """`config` with its "auto" layer layout and GDN chunk size resolved for `traced_platform(target)`,
+    as `compile_train_step` traces the step (not for this process's CPU, whose chunks can differ)."""
+    platform = traced_platform(target)
+    return config.replace(scan_layers=scans_layers(config, backend=platform),
+                          gdn_chunk_size=config.gdn_chunk(platform))
+
+
 def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], *,
                        gdn_mode: str = "all_to_all", attention: str = "pallas",
                        gdn_scan: str = "pallas", tile: int | None = DEFAULT_SEQUENCE_TILE,
@@ -83,7 +91,7 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     By default the program an H200 runs: attention ("pallas": the GPU flash kernel, no [S, S] or
     [block, S] scores) and the GDN chunk-state scan (`gdn_chunk_scan`, "pallas": the Triton kernel,
     whose mixers keep only their inputs and chunk states) lower in interpret mode on CPU, and a
-    `scan_layers` of "auto" is resolved as on a GPU (`scans_layers`). tile: `sequence_tile` (None:
+    `scan_layers` and a GDN chunk size of "auto" are resolved as on a GPU (`traced_config`). tile: `sequence_tile` (None:
     untiled). lm_head_mode: as `score_tokens` takes it. gdn_precision: the chunked delta rule's matmul
     precision (`gdn_matmul.gdn_precision`; None: the backend's default). logprob_backend: the fused
     log-prob kernel's (`qwen35_kernels.BACKENDS`). devices: the mesh's devices
@@ -92,8 +100,7 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     and memory. A TPU target runs the TPU's kernels: the Pallas TPU attention ("pallas" is it there)
     and the associative GDN chunk scan ("pallas" is taken as "auto"), its layers as a TPU lays them out."""
     fsdp, sp = mesh_shape
-    if config.scan_layers == "auto":
-        config = config.replace(scan_layers=scans_layers(config, backend=traced_platform(target)))
+    config = traced_config(config, target)
     if target is not None:  # all of it traced as on the target, the jit's compiler options included
         if target_backend(target) == "tpu" and gdn_scan == "pallas":
             gdn_scan = "auto"
