@@ -75,6 +75,28 @@ def test_tpu_kernel_interpreted_equals_xla(s, kv_heads):
     _check_against_xla(fn, q, k, v, seg, w)
 
 
+@pytest.mark.parametrize("dtype, precision", [(jnp.bfloat16, "DEFAULT"), (jnp.float32, "HIGHEST")])
+def test_tpu_kernel_dots_of_bf16_blocks_at_default_precision(dtype, precision):
+    # conftest sets jax_default_matmul_precision "highest", as a user may; the TPU kernel's dots read it
+    # when traced, and Mosaic refuses bf16 blocks at a float32 contraction. bf16 inputs: every dot of the
+    # forward and both backward kernels at DEFAULT (bf16 x bf16 products accumulate in float32 exactly
+    # either way); float32 inputs keep the precision asked for.
+    from jaxpr_testutil import all_equations
+
+    q, k, v, seg, w = (x.astype(dtype) if x.dtype == jnp.float32 else x for x in _inputs(b=1, s=130, h=2, k=1, dh=16))
+    assert jax.config.jax_default_matmul_precision == "highest"
+
+    def loss(q, k, v):
+        return jnp.sum(ak.tpu_flash_attention(q, k, v, seg, interpret=True).astype(jnp.float32) * w)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    kernels = [e for e in all_equations(jaxpr) if e.primitive.name == "pallas_call"]
+    dots = [e for kernel in kernels for e in all_equations(kernel.params["jaxpr"])
+            if e.primitive.name == "dot_general"]
+    assert len(kernels) == 3 and len(dots) >= 6, (len(kernels), len(dots))
+    assert {str(p) for e in dots for p in e.params["precision"]} == {precision}
+
+
 def test_gpu_kernel_bfloat16_close_to_float32_reference():
     # bf16 in and out; the kernel keeps scores and softmax in float32 like the XLA core
     q, k, v, seg, _ = _inputs(b=1, s=40, h=4, k=2, dh=16, seed=2)

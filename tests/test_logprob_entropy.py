@@ -201,6 +201,28 @@ def test_pallas_interpret_equals_xla(layout):
         assert _rel(x, y) < 2e-6
 
 
+@pytest.mark.parametrize("dtype, precision", [(jnp.bfloat16, "DEFAULT"), (jnp.float32, "HIGHEST")])
+@pytest.mark.parametrize("layout", [SMALL_GPU, SMALL_TPU], ids=["gpu-layout", "tpu-layout"])
+def test_pallas_kernel_dots_of_bf16_tiles_at_default_precision(layout, dtype, precision):
+    # conftest sets jax_default_matmul_precision "highest", as a user may: Mosaic refuses bf16 tiles at a
+    # float32 contraction, so every dot of the kernels (forward and backward) on bf16 tiles asks for
+    # DEFAULT (bf16 products accumulate in float32 exactly either way); float32 keeps what was asked for.
+    assert jax.config.jax_default_matmul_precision == "highest"
+    h, w, labels, _, _ = _problem(3, 45, 32, 300)
+    h, w = h.astype(dtype), w.astype(dtype)
+
+    def loss(h, w):
+        lse, ent, zl = pallas.token_stats(h, w, labels, 0.8, blocks=layout)
+        return jnp.sum(lse) + jnp.sum(ent) - jnp.sum(zl)
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(h, w)
+    kernels = [e for e in all_equations(jaxpr) if e.primitive.name == "pallas_call"]
+    dots = [e for kernel in kernels for e in all_equations(kernel.params["jaxpr"])
+            if e.primitive.name == "dot_general"]
+    assert len(kernels) >= 2 and len(dots) >= 3, (len(kernels), len(dots))
+    assert {str(p) for e in dots for p in e.params["precision"]} == {precision}
+
+
 @settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     T=st.integers(1, 40),

@@ -43,6 +43,24 @@ def test_grouped_experts_equal_per_expert_loop():
     np.testing.assert_allclose(got, want, rtol=0, atol=4e-5)
 
 
+@pytest.mark.parametrize("dtype, precision", [(jnp.bfloat16, "DEFAULT"), (jnp.float32, "HIGHEST")])
+def test_grouped_experts_contract_bf16_at_default_precision(dtype, precision):
+    # conftest sets jax_default_matmul_precision "highest", as a user may; ragged_dot's TPU kernel refuses
+    # bf16 operands at a float32 contraction, so bf16 experts ask for DEFAULT, forward and backward (bf16
+    # products accumulate in float32 exactly either way); float32 keeps the precision asked for.
+    from jaxpr_testutil import all_equations
+
+    assert jax.config.jax_default_matmul_precision == "highest"
+    t, d, i, e, k = 8, 4, 6, 3, 2
+    x, gate_up, down = (jnp.ones(shape, dtype) for shape in ((t, d), (e, d, 2 * i), (e, i, d)))
+    weights, ids = route(jnp.zeros((t, e)), k, normalize=True)
+    jaxpr = jax.make_jaxpr(jax.grad(lambda *a: jnp.sum(grouped_experts(a[0], weights, ids, *a[1:]).astype(jnp.float32)),
+                                    argnums=(0, 1, 2)))(x, gate_up, down)
+    dots = [e for e in all_equations(jaxpr) if e.primitive.name in ("ragged_dot_general", "ragged_dot")]
+    assert len(dots) >= 4, [e.primitive.name for e in all_equations(jaxpr)]
+    assert {str(p) for e in dots for p in e.params["precision"]} == {precision}
+
+
 def test_router_and_norms_compute_in_float32():
     x = jax.random.normal(jax.random.key(0), (4, 32), jnp.bfloat16)
     w = jax.random.normal(jax.random.key(1), (32,), jnp.float32) * 0.1

@@ -64,11 +64,11 @@ def test_the_step_compiles_for_a_v5e_slice_on_a_2x4_mesh(preset, gdn_mode, lm_he
     from qwen35_jax.memory.step_memory import compile_train_step
 
     config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat="full")
-    # at the default precision, as the trainer runs: conftest's "highest" asks Mosaic for float32
-    # contraction of the attention kernel's bf16 blocks, which it refuses
-    with jax.default_matmul_precision("default"):
-        compiled, _ = compile_train_step(config, 512, (2, 4), target="v5e", batch=2, gdn_mode=gdn_mode,
-                                         lm_head_mode=lm_head)
+    # under conftest's "highest" matmul precision, as a user may set it: the attention kernel's bf16
+    # blocks are contracted at the default precision, which Mosaic requires of them
+    assert jax.config.jax_default_matmul_precision == "highest"
+    compiled, _ = compile_train_step(config, 512, (2, 4), target="v5e", batch=2, gdn_mode=gdn_mode,
+                                     lm_head_mode=lm_head)
     assert compiled.memory_analysis().temp_size_in_bytes > 0
     text = compiled.as_text()  # Mosaic kernels only: no GPU kernel, nothing interpreted
     mosaic = text.count('custom_call_target="tpu_custom_call"')

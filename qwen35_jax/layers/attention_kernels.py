@@ -175,29 +175,44 @@ def tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
         return tpu_attention.flash_attention(q, k, v, segment_ids=tpu_attention.SegmentIds(seg, seg),
                                              causal=True, sm_scale=dh ** -0.5, block_sizes=blocks)
 
-    out = _in_tpu_interpret_mode(flash)(qp, kp, vp) if interpret else flash(qp, kp, vp)
+    settings: list[Callable[[], contextlib.AbstractContextManager[None]]] = []
+    if interpret:
+        from jax.experimental.pallas import tpu as pltpu
+        settings.append(pltpu.force_tpu_interpret_mode)
+    if q.dtype == jnp.bfloat16:
+        # The kernel's dots take the default matmul precision; Mosaic refuses bf16 blocks at a float32
+        # contraction ("highest"), and bf16 x bf16 products accumulate in float32 exactly either way.
+        settings.append(lambda: jax.default_matmul_precision("default"))
+    out = _traced_within(flash, settings)(qp, kp, vp) if settings else flash(qp, kp, vp)
     return jnp.swapaxes(out, 1, 2)[:, :s]  # [B, S, H, Dh]
 
 
-def _in_tpu_interpret_mode(f: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
-    """`f` with its Pallas TPU calls traced in TPU interpret mode, forward and backward.
+def _traced_within(f: Callable[..., jax.Array], settings: list[Callable[[], contextlib.AbstractContextManager[None]]]
+                   ) -> Callable[..., jax.Array]:
+    """`f` traced inside every context of `settings` (trace-time settings such as TPU interpret mode
+    or the matmul precision), forward and backward.
 
-    The mode is read when a pallas_call is traced; the kernel's backward is traced only when the
-    gradient is taken, outside any `with` around the forward, so the vjp runs inside it again.
+    A setting is read when the kernel is traced; the kernel's backward is traced only when the
+    gradient is taken, outside any `with` around the forward, so the vjp runs inside them again.
     """
-    from jax.experimental.pallas import tpu as pltpu
+    @contextlib.contextmanager
+    def inside() -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for setting in settings:
+                stack.enter_context(setting())
+            yield
 
     @jax.custom_vjp
     def run(*args: jax.Array) -> jax.Array:
-        with pltpu.force_tpu_interpret_mode():
+        with inside():
             return f(*args)
 
     def fwd(*args: jax.Array) -> tuple[jax.Array, Callable[..., tuple[jax.Array, ...]]]:
-        with pltpu.force_tpu_interpret_mode():
+        with inside():
             return jax.vjp(f, *args)
 
     def bwd(vjp: Callable[..., tuple[jax.Array, ...]], g: jax.Array) -> tuple[jax.Array, ...]:
-        with pltpu.force_tpu_interpret_mode():
+        with inside():
             return vjp(g)
 
     run.defvjp(fwd, bwd)

@@ -65,12 +65,25 @@ def _iota_cols(j, bv: int) -> jax.Array:  # [1, bv] global vocabulary ids of blo
     return (j * bv + jnp.arange(bv, dtype=jnp.int32))[None, :]
 
 
+def _dot(a, b, contract: tuple[tuple[int], tuple[int]]) -> jax.Array:  # float32 result
+    # Half-precision operands at the default precision: their products are exact in float32 either
+    # way, and Mosaic refuses them at a float32 contraction (what jax_default_matmul_precision
+    # "highest" would ask of a dot without one).
+    half = all(x.dtype in (jnp.bfloat16, jnp.float16) for x in (a, b))
+    return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
+                           precision=lax.Precision.DEFAULT if half else None)
+
+
+def _dot_nn(a, b):  # [m, k] x [k, n] -> [m, n]
+    return _dot(a, b, ((1,), (0,)))
+
+
 def _dot_nt(a, b):  # [m, k] x [n, k] -> [m, n]
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return _dot(a, b, ((1,), (1,)))
 
 
 def _dot_tn(a, b):  # [k, m] x [k, n] -> [m, n]
-    return lax.dot_general(a, b, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+    return _dot(a, b, ((0,), (0,)))
 
 
 # ----------------------------------------------------------------------------- "gpu" layout
@@ -83,7 +96,7 @@ def _gpu_tile_logits(h_ref, w_ref, j, blk: Blocks, n_d: int, vocab: int, inv_t: 
     def d_step(k, acc):
         h = h_ref[:, pl.ds(k * bd, bd)]  # [bt, bd]
         w = w_ref[pl.ds(k * bd, bd), pl.ds(j * bv, bv)]  # [bd, bv]
-        return acc + jnp.dot(h, w, preferred_element_type=jnp.float32)
+        return acc + _dot_nn(h, w)
 
     z = lax.fori_loop(0, n_d, d_step, jnp.zeros((bt, bv), jnp.float32)) * inv_t
     cols = _iota_cols(j, bv)
@@ -130,7 +143,7 @@ def _gpu_bwd_kernel(
 
 
 def _tpu_tile_logits(h_ref, w_ref, j, bv: int, vocab: int, inv_t: float):
-    z = jnp.dot(h_ref[...], w_ref[...], preferred_element_type=jnp.float32) * inv_t  # [bt, bv]
+    z = _dot_nn(h_ref[...], w_ref[...]) * inv_t  # [bt, bv]
     cols = _iota_cols(j, bv)
     return tiles.mask_columns(z, cols, vocab), cols
 
