@@ -32,6 +32,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.logprob_entropy.tiles import half_operand_precision
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "cudnn")
 
@@ -179,9 +180,7 @@ def tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
     if interpret:
         from jax.experimental.pallas import tpu as pltpu
         settings.append(pltpu.force_tpu_interpret_mode)
-    if q.dtype == jnp.bfloat16:
-        # The kernel's dots take the default matmul precision; Mosaic refuses bf16 blocks at a float32
-        # contraction ("highest"), and bf16 x bf16 products accumulate in float32 exactly either way.
+    if half_operand_precision(q.dtype) is not None:  # the kernel's dots take the configured precision
         settings.append(lambda: jax.default_matmul_precision("default"))
     out = _traced_within(flash, settings)(qp, kp, vp) if settings else flash(qp, kp, vp)
     return jnp.swapaxes(out, 1, 2)[:, :s]  # [B, S, H, Dh]

@@ -204,11 +204,11 @@ def gdn_state_passing(
     """The gated DeltaNet mixer on sequence shards with state passing (see the module docstring)."""
     sp = mesh_axis_size(mesh, SP)
     bsz, s = tokens.q.shape[:2]
-    kc = conv_halo(weights) + 1
+    halo = conv_halo(weights)
     if s % sp:
         raise ValueError(f"sequence length {s} is not divisible by sp = {sp}; pad it (the model does)")
-    if s // sp < kc - 1:
-        raise ValueError(f"GDN state passing needs >= {kc - 1} tokens per shard (conv halo), got {s // sp}; "
+    if s // sp < halo:
+        raise ValueError(f"GDN state passing needs >= {halo} tokens per shard (conv halo), got {s // sp}; "
                          "use the all_to_all mode or a smaller sp")
     batch = FSDP if bsz % mesh_axis_size(mesh, FSDP) == 0 else None
     seq4, seq3 = P(batch, SP, None, None), P(batch, SP, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from qwen35_kernels.logprob_entropy.tiles import half_operand_precision
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.linear import Linear
@@ -33,10 +34,7 @@ def grouped_experts(x: jax.Array, weights: jax.Array, ids: jax.Array, gate_up: j
     order = jnp.argsort(flat_ids, stable=True)  # token-slots sorted by expert
     group_sizes = jnp.bincount(flat_ids, length=e).astype(jnp.int32)  # [E]
     xs = x[order // k]  # [T*k, D]
-    # Half-precision operands at the default precision: their products are exact in float32 either way,
-    # and ragged_dot's TPU kernel (Mosaic) refuses them at a float32 contraction (what
-    # jax_default_matmul_precision "highest" would ask of a matmul without a precision).
-    precision = jax.lax.Precision.DEFAULT if x.dtype in (jnp.bfloat16, jnp.float16) else None
+    precision = half_operand_precision(x.dtype)  # ragged_dot's TPU kernel is Mosaic
     h = jax.lax.ragged_dot(xs, gate_up.astype(x.dtype), group_sizes, precision=precision)  # [T*k, 2I]
     h = jax.nn.silu(h[:, : two_i // 2]) * h[:, two_i // 2:]
     ys = jax.lax.ragged_dot(h, down.astype(x.dtype), group_sizes, precision=precision)  # [T*k, D]

@@ -66,12 +66,8 @@ def _iota_cols(j, bv: int) -> jax.Array:  # [1, bv] global vocabulary ids of blo
 
 
 def _dot(a, b, contract: tuple[tuple[int], tuple[int]]) -> jax.Array:  # float32 result
-    # Half-precision operands at the default precision: their products are exact in float32 either
-    # way, and Mosaic refuses them at a float32 contraction (what jax_default_matmul_precision
-    # "highest" would ask of a dot without one).
-    half = all(x.dtype in (jnp.bfloat16, jnp.float16) for x in (a, b))
     return lax.dot_general(a, b, (contract, ((), ())), preferred_element_type=jnp.float32,
-                           precision=lax.Precision.DEFAULT if half else None)
+                           precision=tiles.half_operand_precision(a.dtype, b.dtype))
 
 
 def _dot_nn(a, b):  # [m, k] x [k, n] -> [m, n]

@@ -40,6 +40,15 @@ def select_row_max(z: jax.Array) -> jax.Array:
     return jax.lax.reduce(z, jnp.asarray(-jnp.inf, z.dtype), larger, (z.ndim - 1,))[..., None]
 
 
+def half_operand_precision(*dtypes: jnp.dtype) -> jax.lax.Precision | None:
+    """`Precision.DEFAULT` for a matmul whose operands are all half precision (bf16 / f16), else None
+    (whatever `jax_default_matmul_precision` says). Half-precision products are exact in float32, so
+    DEFAULT loses nothing, and Mosaic (TPU) refuses half-precision operands at the float32
+    contraction that "highest" would ask for."""
+    half = all(jnp.dtype(d) in (jnp.bfloat16, jnp.float16) for d in dtypes)
+    return jax.lax.Precision.DEFAULT if half else None
+
+
 def update_stats(
     stats: tuple[jax.Array, ...],  # 4 x [t, 1]
     z: jax.Array,  # [t, v] masked scaled logits
