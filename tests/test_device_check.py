@@ -1,5 +1,5 @@
 """scripts/device_check.sh, the GPU check, runs end to end here in its smoke mode (tiny shapes,
-interpreted kernels), with every train-step variant docs/benchmarks.md tells the next GPU session to
+interpreted kernels), with every train-step variant docs/results.md tells the next GPU lease to
 time. A device lease is short and rare: a check that breaks on a renamed flag or a moved function
 must break here, not on the device."""
 
@@ -18,8 +18,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def documented_variants() -> list[str]:
-    """Every ';'-separated TRAIN_VARIANTS entry that docs/benchmarks.md names, in order, once each."""
-    text = (ROOT / "docs" / "benchmarks.md").read_text()
+    """Every ';'-separated TRAIN_VARIANTS entry that docs/results.md names, in order, once each."""
+    text = (ROOT / "docs" / "results.md").read_text()
     found = [" ".join(v.split()) for group in re.findall(r'TRAIN_VARIANTS="([^"]*)"', text) for v in group.split(";")]
     return list(dict.fromkeys(v for v in found if v))
 
@@ -47,7 +47,7 @@ def find_errors(node: object, path: str = "") -> list[str]:
 @pytest.mark.slow
 def test_device_check_smoke_runs_every_stage_and_documented_variant(tmp_path):
     variants = documented_variants()
-    assert variants, "docs/benchmarks.md names no TRAIN_VARIANTS for the next GPU session"
+    assert variants, "docs/results.md names no TRAIN_VARIANTS for the next GPU lease"
     env = dict(os.environ)
     env.update(SMOKE="1", STAGES="kernels,train", PYTHON=sys.executable, OUT=str(tmp_path),
                TRAIN_VARIANTS=";".join(variants))
