@@ -9,6 +9,8 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from qwen35_kernels.gated_delta_rule.matmul import GDN_PRECISIONS  # noqa: F401 (one of the config's choices)
+
 LAYER_KINDS = ("linear_attention", "full_attention")
 DTYPES = ("float32", "bfloat16", "float16")
 # Activation checkpointing of the decoder stack (docs/parallelism.md, "Remat policies"):
@@ -23,8 +25,6 @@ DTYPES = ("float32", "bfloat16", "float16")
 #   nested  keep block inputs; in a block's backward keep its layers' inputs, recompute one layer at a time
 #   offload nested, with the layers' inputs kept in pinned host memory instead of the device's
 REMAT_POLICIES = ("auto", "none", "mlp", "full", "dots", "layer", "nested", "offload")
-# matmul precisions of the GDN chunked form (qwen35_jax/layers/gdn_matmul.py)
-GDN_PRECISIONS = ("auto", "highest", "high", "default", "bf16")
 # --scan-layers / config-file text -> Qwen35Config.scan_layers
 SCAN_LAYERS_FLAGS: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")

@@ -13,10 +13,10 @@ import contextlib
 from collections.abc import Iterator
 
 import jax
+from qwen35_kernels.attention.pallas import attention_implementation, resolve_implementation
+from qwen35_kernels.gated_delta_rule.matmul import gdn_precision
 from qwen35_kernels.logprob_entropy.api import resolve_backend
 
-from qwen35_jax.layers.attention_kernels import attention_implementation, resolve_implementation
-from qwen35_jax.layers.gdn_matmul import gdn_precision
 from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
 

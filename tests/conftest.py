@@ -6,8 +6,14 @@ module imports jax.
 """
 
 import os
+import sys
+from pathlib import Path
 
 from compile_flags import with_devices
+
+# The benchmarks' helpers (scripts/bench/qwen35_bench, which imports torch) are no part of the
+# installed library; tests import them from the checkout, as the benchmark scripts do.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 
 os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {with_devices(8)}".strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from qwen35_jax.layers import attention_cudnn as ac
-from qwen35_jax.layers import attention_kernels as ak
-from qwen35_jax.layers.attention import attention_core
+from qwen35_kernels.attention import attention_core
+from qwen35_kernels.attention import cudnn as ac
+from qwen35_kernels.attention import pallas as ak
 
 # rows of segment ids, and whether cuDNN can take them exactly at M = 4
 LAYOUTS = {

@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from qwen35_kernels.attention import attention_core
+from qwen35_kernels.attention import pallas as ak
 
-from qwen35_jax.layers import attention_kernels as ak
-from qwen35_jax.layers.attention import attention_core
 from qwen35_jax.parallel.ulysses import ulysses_attention
 
 

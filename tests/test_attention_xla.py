@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from qwen35_kernels.attention import attention_core
+from qwen35_kernels.attention.xla import MAX_KEY_STARTS, default_block_q, first_visible_key, key_starts
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.attention import attention_core
-from qwen35_jax.layers.attention_xla import MAX_KEY_STARTS, default_block_q, first_visible_key, key_starts
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.mlp import MLP
 

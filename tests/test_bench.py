@@ -1,12 +1,12 @@
-"""qwen35_jax.bench: the paired-round arithmetic and tables of scripts/bench/bench_train.py, and one tiny
+"""qwen35_bench: the paired-round arithmetic and tables of scripts/bench/bench_train.py, and one tiny
 train step of each stack timed through it."""
 
 from __future__ import annotations
 
 import pytest
 
-from qwen35_jax.bench.report import breakdown_table, merge_rounds, table
-from qwen35_jax.bench.train_step import SMALL, build_config, planned_runs, time_train_step
+from qwen35_bench.report import breakdown_table, merge_rounds, table
+from qwen35_bench.train_step import SMALL, build_config, planned_runs, time_train_step
 
 
 def _row(theirs: float, ours: float, **extra) -> dict:

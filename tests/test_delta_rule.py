@@ -8,6 +8,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from qwen35_kernels.gated_delta_rule.chunk_states import (
+    UNROLL_CHUNKS,
+    gdn_chunk_scan,
+    pallas_chunk_states,
+    resolve_gdn_chunk_scan,
+)
+from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
+from qwen35_kernels.gated_delta_rule.matmul import BF16_OPERANDS, gdn_precision, resolve_gdn_precision
+from qwen35_kernels.gated_delta_rule.pallas_chunk_local import chunk_local_forward, pallas_chunk_local
+from qwen35_kernels.gated_delta_rule.pallas_chunk_states import entering_states
+from qwen35_kernels.gated_delta_rule.pallas_rule import pallas_chunked_rule
+from qwen35_kernels.gated_delta_rule.reference import recurrent_gated_delta_rule
 from transformers.models.qwen3_next.modeling_qwen3_next import (
     torch_chunk_gated_delta_rule,
     torch_recurrent_gated_delta_rule,
@@ -15,12 +27,6 @@ from transformers.models.qwen3_next.modeling_qwen3_next import (
 
 from float64_reference import torch_float64
 from jaxpr_testutil import all_equations
-from qwen35_jax.layers.chunk_local_pallas import chunk_local_forward, pallas_chunk_local
-from qwen35_jax.layers.chunk_states import UNROLL_CHUNKS, gdn_chunk_scan, pallas_chunk_states, resolve_gdn_chunk_scan
-from qwen35_jax.layers.chunk_states_pallas import entering_states
-from qwen35_jax.layers.chunked_rule_pallas import pallas_chunked_rule
-from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule, recurrent_gated_delta_rule
-from qwen35_jax.layers.gdn_matmul import BF16_OPERANDS, gdn_precision, resolve_gdn_precision
 
 B, HK, HV, DK, DV = 2, 2, 4, 8, 8
 
@@ -464,7 +470,7 @@ def test_bf16_einsum_on_a_gpu_and_its_cpu_emulation_equal_the_rounded_product(mo
     # a float32-accumulating matmul. Both against the float64 product of the bf16-rounded operands:
     # only float32 summation differs, 1e-5 of the result's largest entry allows it, not a lost
     # rounding; the unrounded float64 product is more than 3e-4 away (the rounding happened).
-    from qwen35_jax.layers import gdn_matmul
+    from qwen35_kernels.gated_delta_rule import matmul as gdn_matmul
 
     rng = np.random.default_rng(0)
     a, b = (jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in ((2, 3, 16, 32), (2, 3, 32, 8)))
@@ -515,7 +521,7 @@ def test_every_precision_setting_traces_and_agrees_on_cpu():
 def test_pallas_chunk_scan_needs_triton_sized_tiles_on_gpu(monkeypatch):
     # On a GPU the Triton kernel takes power-of-two tiles of at least 16: "auto" then runs the
     # associative scan for other head dims or chunk sizes, and an explicit "pallas" is a one-line error.
-    import qwen35_jax.layers.chunk_states as cs
+    import qwen35_kernels.gated_delta_rule.chunk_states as cs
 
     assert cs.kernel_fits(128, 128, 64) and cs.kernel_fits(64, 32, 16)
     assert not cs.kernel_fits(96, 128, 64) and not cs.kernel_fits(128, 128, 8) and not cs.kernel_fits(128, 96, 64)
@@ -531,7 +537,7 @@ def test_pallas_kernel_blocks_split_the_state_columns_alike():
     # float32 rounding of differently shaped matmuls (measured 2.4e-6 on states of O(1); 2e-5 allows
     # other CPUs, not a lost or doubled column block); blocks wider than Dv take the whole head. Bad
     # blocks are a one-line error.
-    from qwen35_jax.layers.chunk_states_pallas import gdn_kernel_blocks
+    from qwen35_kernels.gated_delta_rule.pallas_chunk_states import gdn_kernel_blocks
 
     rng = np.random.default_rng(0)
     n, b, h, L, dk, dv = 3, 1, 2, 16, 16, 64

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
+from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan, gdn_remat, resolve_gdn_remat
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
 from float64_reference import float64_copy, torch_float64
 from jaxpr_testutil import all_equations
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.chunk_states import gdn_chunk_scan, gdn_remat, resolve_gdn_remat
 from qwen35_jax.layers.gated_deltanet import GatedDeltaNet, gdn_core
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 

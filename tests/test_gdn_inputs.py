@@ -2,17 +2,15 @@
 the import order they allow, and the Pallas kernels that run the conv, SiLU and L2 norms on a GPU."""
 
 import functools
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from qwen35_kernels.gdn_inputs.stored_cotangent import materialized, stored_cotangent
+from qwen35_kernels.gdn_inputs.xla import causal_conv1d_silu
 
 from qwen35_jax.layers.gdn_arrays import GdnWeights
-from qwen35_jax.layers.gdn_inputs import causal_conv1d_silu
-from qwen35_jax.layers.stored_cotangent import materialized, stored_cotangent
 from qwen35_jax.xla_options import compiler_options
 
 
@@ -68,15 +66,6 @@ def test_stored_cotangent_is_the_identity_with_the_same_gradient():
     np.testing.assert_array_equal(materialized(x), x)
 
 
-@pytest.mark.parametrize("first", ["qwen35_jax.layers.gdn_state_passing", "qwen35_jax.parallel.ulysses",
-                                   "qwen35_jax.layers.gated_deltanet", "qwen35_jax.parallel",
-                                   "qwen35_jax.layers.gdn_inputs"])
-def test_gdn_modules_import_in_any_order(first):
-    code = f"import {first}; import qwen35_jax.model; from qwen35_jax.layers.gated_deltanet import gdn_core"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
-
-
 def _conv_problem(dtype, seed=0, B=2, S=48, H=3, D=16, Kc=4):
     """Raw q-like inputs with two documents, padding inside and at the end of a row."""
     rng = np.random.default_rng(seed)
@@ -91,8 +80,8 @@ def _conv_problem(dtype, seed=0, B=2, S=48, H=3, D=16, Kc=4):
 
 def _xla_inputs_path(x, w, seg, scale):
     """rule_inputs' XLA path for one tensor: padding zeroed, conv + SiLU, L2 norm times scale (or none)."""
-    from qwen35_jax.layers.delta_rule import document_index
-    from qwen35_jax.layers.gdn_inputs import l2_normalize
+    from qwen35_kernels.gated_delta_rule.reference import document_index
+    from qwen35_kernels.gdn_inputs.xla import l2_normalize
 
     valid, doc = document_index(seg, *seg.shape)
     y = causal_conv1d_silu(jnp.where(valid[..., None, None], x, jnp.zeros((), x.dtype)), w, doc)
@@ -121,8 +110,8 @@ def test_pallas_conv_silu_matches_float64(scale):
     reads across block edges): outputs and the gradients of x and the conv kernel. float32 lands within 2e-7 of
     each result's largest entry; 2e-6 allows another CPU's rounding, not a lost tap or a document
     edge crossed (1e-2 and more)."""
-    from qwen35_jax.layers.delta_rule import document_index
-    from qwen35_jax.layers.gdn_inputs_pallas import pallas_conv_silu
+    from qwen35_kernels.gated_delta_rule.reference import document_index
+    from qwen35_kernels.gdn_inputs.pallas import pallas_conv_silu
 
     x, w, seg, ct = _conv_problem(jnp.float32)
     valid, doc = document_index(seg, *seg.shape)
@@ -147,8 +136,8 @@ def test_pallas_conv_silu_rounds_bf16_where_the_xla_path_does():
     does (the L2 norm then in float32): outputs and gradients within 2 bfloat16 steps (2**-7) of the
     XLA path's largest entry, which it misses only by where a product's last bit rounds; the bf16
     output dtypes are the XLA path's."""
-    from qwen35_jax.layers.delta_rule import document_index
-    from qwen35_jax.layers.gdn_inputs_pallas import pallas_conv_silu
+    from qwen35_kernels.gated_delta_rule.reference import document_index
+    from qwen35_kernels.gdn_inputs.pallas import pallas_conv_silu
 
     x, w, seg, ct = _conv_problem(jnp.bfloat16, seed=1)
     valid, doc = document_index(seg, *seg.shape)
@@ -175,7 +164,8 @@ def test_rule_inputs_by_kernels_match_float64():
     `_float64_inputs_path` (q scaled by Dk**-0.5), the gates against NumPy float64, dtypes and shapes
     those of its XLA path (float32 q, k under float32 GDN matmuls). float32 lands within 2e-7 of each
     result's largest entry; 2e-6 allows another CPU's rounding, not a swapped tensor or scale."""
-    from qwen35_jax.layers.delta_rule import document_index
+    from qwen35_kernels.gated_delta_rule.reference import document_index
+
     from qwen35_jax.layers.gdn_inputs import rule_inputs
 
     rng = np.random.default_rng(2)
@@ -207,7 +197,7 @@ def test_pallas_conv_silu_lowers_for_gpu():
     # the 0.8B shapes (8192 tokens, 16 heads of 128), forward and backward.
     import re
 
-    from qwen35_jax.layers.gdn_inputs_pallas import pallas_conv_silu
+    from qwen35_kernels.gdn_inputs.pallas import pallas_conv_silu
 
     def loss(x, w, valid, doc):
         return jnp.sum(pallas_conv_silu(x, w, valid, doc, l2_scale=1.0, interpret=False)) + jnp.sum(
@@ -223,9 +213,9 @@ def test_pallas_conv_silu_lowers_for_gpu():
 def test_rule_inputs_use_the_kernels_on_gpu_with_the_pallas_chunk_scan_only(monkeypatch):
     # A GPU traces the input kernels with the Pallas chunk scan ("auto" there) and not with the XLA
     # fallback that scripts/device_check.sh reruns a failed step with, nor with a conv halo.
-    from jaxpr_testutil import all_equations
+    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan
 
-    from qwen35_jax.layers.chunk_states import gdn_chunk_scan
+    from jaxpr_testutil import all_equations
     from qwen35_jax.layers.gdn_inputs import rule_inputs
 
     B, S, H, D = 1, 32, 2, 16

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen35_jax.bench.hlo_census import census
+from qwen35_bench.hlo_census import census
 from qwen35_jax.config import Qwen35Config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "gpu_compile.py"

@@ -14,11 +14,11 @@ from collections import Counter
 
 import jax
 import pytest
-from lowering_testutil import abstract_step_inputs, train_step_for
+from qwen35_kernels.gated_delta_rule.tiles import sequence_tile
 
+from lowering_testutil import abstract_step_inputs, train_step_for
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.kernel_choices import kernel_choices
-from qwen35_jax.layers.tiling import sequence_tile
 
 GDN_KERNELS = {"gdn_chunk_local", "gdn_chunk_local_backward", "gdn_chunk_states", "gdn_chunk_states_reverse",
                "gdn_chunk_gradients", "gdn_chunk_outputs", "gdn_chunk_outputs_backward"}

@@ -303,12 +303,6 @@ def test_plan_shards_respects_limit():
     assert [t.name for s in plan_shards(ts, 10**9) for t in s] == [t.name for t in ts]
 
 
-@pytest.mark.parametrize("script", ["import_hf", "export_hf", "bench/bench_import"])
-def test_script_help(script):
-    r = subprocess.run(script_cmd(script, "--help"), capture_output=True, text=True, env=subprocess_env())
-    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr
-
-
 def test_script_main_in_process(hf, tmp_path, capsys):
     imp, exp = load_script("import_hf"), load_script("export_hf")
     assert imp.main([hf["moe_tied-bfloat16"], str(tmp_path / "c"), "--dtype", "float32"]) == 0

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import pytest
 from jax import lax
 
-from qwen35_jax.bench.hlo_census import (DEVICE_PEAKS, Kernel, by_category, by_part, by_source, census, parse_module,
+from qwen35_bench.hlo_census import (DEVICE_PEAKS, Kernel, by_category, by_part, by_source, census, parse_module,
                                          part_of, roofline_seconds)
 from qwen35_jax.layers.norms import rms_norm
 

@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
+from qwen35_kernels.gated_delta_rule.tiles import sequence_tile
 
 from qwen35_jax.config import REMAT_POLICIES, Qwen35Config
-from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
-from qwen35_jax.layers.tiling import sequence_tile
 from qwen35_jax.model import Qwen35ForCausalLM, check_offload_supported
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings
 from qwen35_jax.xla_options import compiler_options
@@ -208,7 +208,8 @@ def test_tiled_delta_rule_equals_untiled():
 def test_tiled_gdn_core_equals_untiled(scan):
     """The whole mixer (conv halo across tile edges, document starts on and next to edges, padding
     across an edge, a partial last tile) tile by tile against one pass, values and all gradients."""
-    from qwen35_jax.layers.chunk_states import gdn_chunk_scan
+    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan
+
     from qwen35_jax.layers.gated_deltanet import gdn_core
 
     _, _, _, _, _, seg, _ = delta_rule_inputs(2, 57)

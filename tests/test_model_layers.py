@@ -185,7 +185,7 @@ def test_depth_is_scanned_and_rematerialised():
 
 @pytest.mark.parametrize("s,block_q", [(70, 16), (64, 16), (40, 64)])
 def test_query_blocked_attention_equals_one_block(s, block_q):
-    from qwen35_jax.layers.attention import attention_core
+    from qwen35_kernels.attention import attention_core
 
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (2, s, 4, 8))

@@ -19,7 +19,7 @@ from qwen35_jax.config import Qwen35Config
 from qwen35_jax.labels import next_token_labels
 from qwen35_jax.model import EMBED_SCOPE, Qwen35ForCausalLM
 from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
-from qwen35_jax.parallel.hlo import collectives
+from qwen35_bench.hlo import collectives
 from qwen35_jax.parallel.local import TOKEN_LOCAL_SCOPE
 from qwen35_jax.parallel.mesh import ACT_BSD, make_mesh, state_shardings
 from qwen35_jax.parallel.ulysses import ATTENTION_SCOPE, GDN_SCOPE

@@ -2,8 +2,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from qwen35_jax.layers.triangular import unit_lower_inverse, unit_lower_solve
+from qwen35_kernels.gated_delta_rule.triangular import unit_lower_inverse, unit_lower_solve
 
 
 def random_system(seed: int, batch=(2, 3), L=16, D=5):

@@ -4,17 +4,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from qwen35_kernels.attention import attention_core
 
-from qwen35_jax.layers.attention import attention_core
+from qwen35_jax.layers.gated_deltanet import ulysses_gdn
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
+from qwen35_bench.hlo import collectives
 from qwen35_jax.parallel.mesh import make_mesh
-from qwen35_jax.parallel.hlo import collectives
 from qwen35_jax.parallel.ulysses import (
     ATTENTION_SCOPE,
     check_heads,
     shared_head_index,
     ulysses_attention,
-    ulysses_gdn,
 )
 
 
@@ -208,10 +208,11 @@ def _boundary_segments(b, s, sp):
     pytest.param("fsdp=1,sp=8", 1, "auto", None, marks=pytest.mark.slow),
 ])
 def test_gdn_state_passing_matches(layout, key_heads, scan, tile):
-    from qwen35_jax.layers.chunk_states import gdn_chunk_scan
+    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan
+    from qwen35_kernels.gated_delta_rule.tiles import sequence_tile
+
     from qwen35_jax.layers.gated_deltanet import gdn_core, sharded_gdn_core
     from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
-    from qwen35_jax.layers.tiling import sequence_tile
 
     sp = int(layout.split("sp=")[1])
     args, _, w = _gdn_inputs(b=2, s=32, hk=key_heads, hv=4, d=8, kc=4)

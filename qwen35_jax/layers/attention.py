@@ -5,39 +5,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from qwen35_kernels.attention import attention_core
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.attention_cudnn import cudnn_flash_attention
-from qwen35_jax.layers.attention_kernels import (check_attention_inputs, gpu_flash_attention, resolve_implementation,
-                                                 tpu_flash_attention)
-from qwen35_jax.layers.attention_xla import xla_attention_core
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import apply_rope
 from qwen35_jax.parallel.ulysses import ulysses_attention
-
-KERNELS = {"pallas_gpu": gpu_flash_attention, "pallas_tpu": tpu_flash_attention, "cudnn": cudnn_flash_attention}
-
-
-def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
-                   block_q: int | None = None, implementation: str | None = None) -> jax.Array:
-    """Causal softmax attention that never crosses documents; softmax in float32.
-
-    q: [B, S, H, Dh] (normed, rotated), k/v: [B, S, K, Dh] with H % K == 0, segment_ids: [B, S]
-    -> [B, S, H, Dh]. Scale 1/sqrt(Dh). Query head h reads kv head h // (H // K).
-    `implementation` (None: the `attention_implementation` context, default "auto") picks a flash
-    kernel on GPU/TPU (`attention_kernels.py`, `attention_cudnn.py`); the XLA core (`attention_xla.py`)
-    runs on CPU and is the reference. It runs block_q queries at a time (None: `default_block_q`), each block against
-    only the keys up to its last query (the later ones are all masked: about half the work of every score
-    matrix is skipped). Each block is a flash-style custom VJP that saves its output and log-sum-exp,
-    not its [block_q, S] probabilities: peak memory O(block_q * S) per head instead of O(S^2). Each
-    row's softmax still sees every key it may attend to, so the result does not depend on block_q.
-    """
-    check_attention_inputs(q, k, v, segment_ids)
-    name = resolve_implementation(implementation)
-    if name != "xla":
-        return KERNELS[name](q, k, v, segment_ids)
-    return xla_attention_core(q, k, v, segment_ids, block_q)
 
 
 class Attention(nnx.Module):

@@ -9,10 +9,12 @@ axis so that a sequence-parallel wrapper can all-to-all sequence shards into hea
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from qwen35_kernels.gated_delta_rule.tiles import delta_rule_tile
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights, check_gdn_arrays, conv_halo
@@ -21,8 +23,8 @@ from qwen35_jax.layers.gdn_state_passing import current_gdn_mode, gdn_state_pass
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.norms import GatedRMSNorm
-from qwen35_jax.layers.tiling import delta_rule_tile
-from qwen35_jax.parallel.ulysses import active_sp_mesh, ulysses_gdn
+from qwen35_jax.parallel.mesh import SP, auto_mesh, mesh_axis_size
+from qwen35_jax.parallel.ulysses import GDN_SCOPE, Arg, active_sp_mesh, check_heads, shared_head_index, ulysses_call
 
 
 def gdn_core(
@@ -132,3 +134,33 @@ class GatedDeltaNet(nnx.Module):
         out = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps,
                                chunk_size=self.config.gdn_chunk(jax.default_backend()))  # [B, S, Hv, Dv]
         return self.out_proj(out.reshape(B, S, Hv * Dv))
+
+
+def ulysses_gdn(
+    core: Callable[..., jax.Array],
+    tokens: GdnTokens,  # [B, S/sp, ...] each: this device's sequence shard of the raw projections
+    weights: GdnWeights,
+    segment_ids: jax.Array,  # [B, S/sp]
+    **static: object,  # eps, chunk_size
+) -> jax.Array:  # [B, S/sp, Hv, Dv]
+    """The gated DeltaNet core `core(tokens, weights, segment_ids, **static)` sequence-parallel over
+    value heads (key heads follow, replicated)."""
+    call = functools.partial(core, **static)
+    mesh = auto_mesh()
+    if mesh is None:
+        return call(tokens, weights, segment_ids)
+    sp = mesh_axis_size(mesh, SP)
+    n_v, n_k = tokens.v.shape[2], tokens.q.shape[2]
+    check_heads(n_v, sp, "gated DeltaNet value heads")
+    key = shared_head_index(n_v, n_k, sp)
+    per_value_head = Arg("seq_heads")
+    kinds = (
+        GdnTokens(q=Arg("seq_heads", index=key), k=Arg("seq_heads", index=key),
+                  v=per_value_head, z=per_value_head, b=per_value_head, a=per_value_head),
+        GdnWeights(conv_q=Arg("heads", head_axis=1, index=key), conv_k=Arg("heads", head_axis=1, index=key),
+                   conv_v=Arg("heads", head_axis=1), A_log=Arg("heads", head_axis=0),
+                   dt_bias=Arg("heads", head_axis=0), norm_weight=Arg("replicated")),
+        Arg("seq"),
+    )
+    with jax.named_scope(GDN_SCOPE):
+        return ulysses_call(call, (tokens, weights, segment_ids), kinds, mesh)

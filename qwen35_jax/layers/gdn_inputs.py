@@ -1,7 +1,8 @@
 """What the gated DeltaNet mixer does to its inputs before the delta rule, per head.
 
-The depthwise short causal conv1d + SiLU whose window stops at document starts, the L2 norm of q and
-k, and the gates beta and g; `rule_inputs` does all of it, with an optional conv halo. Shared by
+The depthwise short causal conv1d + SiLU whose window stops at document starts and the L2 norm of q
+and k (the kernels of `qwen35_kernels.gdn_inputs`), and the gates beta and g; `rule_inputs` does all
+of it, with an optional conv halo. Shared by
 `gated_deltanet.gdn_core` (whole sequences and their tiles) and `gdn_state_passing.py`
 (sequence shards with a conv halo).
 """
@@ -10,52 +11,13 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.gated_delta_rule.chunk_states import inside_recomputed_mixer, resolve_gdn_chunk_scan
+from qwen35_kernels.gated_delta_rule.matmul import operand_dtype, resolve_gdn_precision
+from qwen35_kernels.gated_delta_rule.reference import document_index
+from qwen35_kernels.gdn_inputs import pallas as gdn_inputs_pallas
+from qwen35_kernels.gdn_inputs.xla import causal_conv1d_silu, l2_normalize
 
-from qwen35_jax.layers import gdn_inputs_pallas
-from qwen35_jax.layers.chunk_states import inside_recomputed_mixer, resolve_gdn_chunk_scan
-from qwen35_jax.layers.delta_rule import document_index
 from qwen35_jax.layers.gdn_arrays import GdnWeights
-from qwen35_jax.layers.gdn_matmul import operand_dtype, resolve_gdn_precision
-from qwen35_jax.layers.stored_cotangent import stored_cotangent
-
-
-def causal_conv1d_silu(
-    x: jax.Array,  # [B, S, H, D]
-    kernel: jax.Array,  # [Kc, H, D]; kernel[-1] multiplies the current token
-    doc: jax.Array | None,  # [B, S] document index (see delta_rule.document_index) or None
-) -> jax.Array:  # [B, S, H, D]
-    """Depthwise causal conv1d + SiLU whose window never reaches into the previous document.
-
-    Accumulates in float32; one shifted slice of x per tap (Kc is 4 in every Qwen3.5 model).
-    Checkpointed (its shifted copies and masks would keep some 200 KB a token and layer for the
-    backward) unless the whole mixer around it is recomputed in the backward already
-    (`chunk_states.inside_recomputed_mixer`), where its own checkpoint would run it a third time.
-    """
-    conv = _conv1d_silu if inside_recomputed_mixer() else jax.checkpoint(_conv1d_silu)
-    return conv(x, kernel, doc)
-
-
-def _conv1d_silu(x: jax.Array, kernel: jax.Array, doc: jax.Array | None) -> jax.Array:  # as causal_conv1d_silu
-    Kc = kernel.shape[0]
-    S = x.shape[1]
-    xf = x.astype(jnp.float32)
-    kf = kernel.astype(jnp.float32)
-    padded = jnp.pad(xf, [(0, 0), (Kc - 1, 0), (0, 0), (0, 0)])  # [B, Kc - 1 + S, H, D]
-    out = xf * kf[-1]
-    for shift in range(1, min(Kc, S + 1)):
-        past = padded[:, Kc - 1 - shift: Kc - 1 - shift + S]  # token t - shift (zeros before 0)
-        if doc is not None:
-            same = jnp.pad(doc, [(0, 0), (shift, 0)], constant_values=-1)[:, :S] == doc  # [B, S]
-            past = jnp.where(same[..., None, None], past, 0.0)
-        out = out + past * kf[Kc - 1 - shift]
-    # The backward reads the pre-activation gradient once per tap: stored once (see stored_cotangent).
-    return jax.nn.silu(stored_cotangent(out.astype(x.dtype)))
-
-
-def l2_normalize(x: jax.Array, eps: float = gdn_inputs_pallas.L2_EPS) -> jax.Array:  # [..., d] -> [..., d] float32
-    """x * rsqrt(sum(x^2) + eps), in float32 (transformers' / FLA's `l2norm`)."""
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
 def gates(
@@ -111,7 +73,9 @@ def rule_inputs(
         valid, doc = document_index(segment_ids, B, h + T)
         keep = valid[..., None, None]
         q, k, v = (jnp.where(keep, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
-    q, k, v = (causal_conv1d_silu(x, w, doc)[:, h:] for x, w in ((q, conv_q), (k, conv_k), (v, conv_v)))
+    checkpoint = not inside_recomputed_mixer()
+    q, k, v = (causal_conv1d_silu(x, w, doc, checkpoint=checkpoint)[:, h:]
+               for x, w in ((q, conv_q), (k, conv_k), (v, conv_v)))
     q = l2_normalize(q) * Dk**-0.5
     k = l2_normalize(k)
     beta, g = gates(b, a, A_log, dt_bias)

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import jax
 from jax.ad_checkpoint import checkpoint_name
+from qwen35_kernels.gated_delta_rule.chunk_states import RULE_OUTPUT_NAME, apply_gdn_remat
+from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
 
-from qwen35_jax.layers.chunk_states import RULE_OUTPUT_NAME, apply_gdn_remat
-from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.norms import gated_rms_norm

@@ -32,16 +32,16 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from qwen35_kernels.gated_delta_rule.chunk_states import apply_gdn_remat
+from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
+from qwen35_kernels.gated_delta_rule.tiles import delta_rule_tile, document_starts_tile, tile_scan
+from qwen35_kernels.trace_setting import scoped
 
-from qwen35_jax.layers.chunk_states import apply_gdn_remat
-from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights, conv_halo
 from qwen35_jax.layers.gdn_inputs import rule_inputs
 from qwen35_jax.layers.gdn_segment import gdn_segment
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core, tiled_inputs
 from qwen35_jax.layers.norms import gated_rms_norm
-from qwen35_jax.layers.tiling import delta_rule_tile, document_starts_tile, tile_scan
-from qwen35_jax.layers.trace_setting import scoped
 from qwen35_jax.parallel.mesh import FSDP, SP, mesh_axis_size
 
 GDN_STATE_SCOPE = "gdn_state_passing"

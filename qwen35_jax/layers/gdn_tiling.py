@@ -20,11 +20,12 @@ once this layer's backward has begun.
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.gated_delta_rule.tiles import document_starts_tile, stack_tiles, tile_scan, unstack_tiles
 
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
-from qwen35_jax.layers.tiling import document_starts_tile, stack_tiles, tile_scan, unstack_tiles
 
 # segment(tokens, weights, segment_ids, halo=(hq, hk, hv, hseg), initial_state=S0)
 #   -> (out [B, T, Hv, Dv], final state [B, Hv, Dk, Dv])

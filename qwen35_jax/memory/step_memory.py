@@ -19,13 +19,13 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
+from qwen35_kernels.attention.pallas import attention_implementation
+from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan
+from qwen35_kernels.gated_delta_rule.matmul import gdn_precision as gdn_matmul_precision
+from qwen35_kernels.gated_delta_rule.tiles import DEFAULT_SEQUENCE_TILE, sequence_tile
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.attention_kernels import attention_implementation
-from qwen35_jax.layers.chunk_states import gdn_chunk_scan
-from qwen35_jax.layers.gdn_matmul import gdn_precision as gdn_matmul_precision
 from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
-from qwen35_jax.layers.tiling import DEFAULT_SEQUENCE_TILE, sequence_tile
 from qwen35_jax.memory.targets import target_backend, target_devices, traced_as
 from qwen35_jax.model import scans_layers
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings

@@ -12,7 +12,7 @@ from typing import Any
 
 _EXPORTS = {
     "token_local": "local", "pad_inputs": "padding", "strip": "padding",
-    "ulysses_attention": "ulysses", "ulysses_gdn": "ulysses",
+    "ulysses_attention": "ulysses",
     **{name: "mesh" for name in ("ACT_BSD", "FSDP", "SP", "TOKENS_BS", "constrain", "create_sharded",
                                  "init_distributed", "make_mesh", "param_spec", "parse_mesh", "shard_model",
                                  "state_shardings", "valid_layouts")},

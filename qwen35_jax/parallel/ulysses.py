@@ -15,7 +15,6 @@ sequence shards: `layers/gdn_state_passing.py`, chosen by the layer.)
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 from qwen35_jax.parallel.mesh import FSDP, SP, auto_mesh, mesh_axis_size
 
 # Named scopes of the two wrappers: they appear in the HLO metadata (op_name) of their collectives.
@@ -189,33 +187,3 @@ def ulysses_attention(
     kinds = (Arg("seq_heads"), Arg("seq_heads", index=kv), Arg("seq_heads", index=kv), Arg("seq"))
     with jax.named_scope(ATTENTION_SCOPE):
         return ulysses_call(core, (q, k, v, segment_ids), kinds, mesh)
-
-
-def ulysses_gdn(
-    core: Callable[..., jax.Array],
-    tokens: GdnTokens,  # [B, S/sp, ...] each: this device's sequence shard of the raw projections
-    weights: GdnWeights,
-    segment_ids: jax.Array,  # [B, S/sp]
-    **static: object,  # eps, chunk_size
-) -> jax.Array:  # [B, S/sp, Hv, Dv]
-    """The gated DeltaNet core `core(tokens, weights, segment_ids, **static)` sequence-parallel over
-    value heads (key heads follow, replicated)."""
-    call = functools.partial(core, **static)
-    mesh = auto_mesh()
-    if mesh is None:
-        return call(tokens, weights, segment_ids)
-    sp = mesh_axis_size(mesh, SP)
-    n_v, n_k = tokens.v.shape[2], tokens.q.shape[2]
-    check_heads(n_v, sp, "gated DeltaNet value heads")
-    key = shared_head_index(n_v, n_k, sp)
-    per_value_head = Arg("seq_heads")
-    kinds = (
-        GdnTokens(q=Arg("seq_heads", index=key), k=Arg("seq_heads", index=key),
-                  v=per_value_head, z=per_value_head, b=per_value_head, a=per_value_head),
-        GdnWeights(conv_q=Arg("heads", head_axis=1, index=key), conv_k=Arg("heads", head_axis=1, index=key),
-                   conv_v=Arg("heads", head_axis=1), A_log=Arg("heads", head_axis=0),
-                   dt_bias=Arg("heads", head_axis=0), norm_weight=Arg("replicated")),
-        Arg("seq"),
-    )
-    with jax.named_scope(GDN_SCOPE):
-        return ulysses_call(call, (tokens, weights, segment_ids), kinds, mesh)

@@ -57,7 +57,7 @@ def measure(config, seq: int, sp: int, itemsize: int, gdn_mode: str) -> dict:
 
     from qwen35_jax.model import Qwen35ForCausalLM
     from qwen35_jax.layers.gdn_state_passing import GDN_STATE_SCOPE, gdn_sp_mode
-    from qwen35_jax.parallel.hlo import collectives
+    from qwen35_bench.hlo import collectives
     from qwen35_jax.parallel.mesh import TOKENS_BS, make_mesh, state_shardings
     from qwen35_jax.parallel.ulysses import ATTENTION_SCOPE, GDN_SCOPE
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train-step speed of qwen35-jax against transformers' PyTorch model (logic: `qwen35_jax.bench`).
+"""Train-step speed of qwen35-jax against transformers' PyTorch model (logic: `qwen35_bench`).
 
     python scripts/bench/bench_train.py [--config small|large|long ...] [--steps 5] [--remat REMAT]
                                   [--cores [gdn attention]] [--breakdown] [--json out.json]
@@ -35,9 +35,10 @@ import json
 import os
 import sys
 
-from qwen35_jax.bench.train_step import CONFIGS, SETTINGS, SMALL
+from qwen35_bench.train_step import CONFIGS, SETTINGS, SMALL
 from qwen35_jax.config import PRESETS, SCAN_LAYERS_FLAGS
 from qwen35_jax.train.options import CHOICES
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -128,8 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--dtype bfloat16 needs --skip-torch (the transformers side runs float32)")
     if args.preset is not None and args.preset not in PRESETS:
         p.error(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-    from qwen35_jax.layers.chunk_states import GDN_CHUNK_SCANS, GDN_REMATS
-    from qwen35_jax.layers.gdn_matmul import GDN_PRECISIONS
+    from qwen35_kernels.gated_delta_rule.chunk_states import GDN_CHUNK_SCANS, GDN_REMATS
+    from qwen35_kernels.gated_delta_rule.matmul import GDN_PRECISIONS
 
     blocks = []
     for value in args.core_kernel_blocks or []:
@@ -171,7 +172,7 @@ def parse_remat(value: str | None) -> bool | str | None:
 
 def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
     """(name, Qwen35Config, batch, seq) of every train step to time."""
-    from qwen35_jax.bench.train_step import planned_runs
+    from qwen35_bench.train_step import planned_runs
 
     overrides = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
     return planned_runs(args.config, preset=args.preset, overrides=overrides, batch=args.batch, seq=args.seq,
@@ -180,10 +181,10 @@ def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
 
 def time_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
     """Every planned train step, then the cores, then the breakdown, in this process."""
-    from qwen35_jax.bench.breakdown import time_pieces
-    from qwen35_jax.bench.cores import time_attention_core, time_gdn_chunk_local, time_gdn_core
-    from qwen35_jax.bench.report import table
-    from qwen35_jax.bench.train_step import time_train_step
+    from qwen35_bench.breakdown import time_pieces
+    from qwen35_bench.cores import time_attention_core, time_gdn_chunk_local, time_gdn_core
+    from qwen35_bench.report import table
+    from qwen35_bench.train_step import time_train_step
 
     rows, breakdown = [], None
     planned = [] if args.cores_only else runs(args)
@@ -216,7 +217,7 @@ def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] |
     import subprocess
     import tempfile
 
-    from qwen35_jax.bench.report import merge_rounds
+    from qwen35_bench.report import merge_rounds
 
     per_round = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,10 +242,10 @@ def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] |
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
+    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan, gdn_remat
+    from qwen35_kernels.gated_delta_rule.matmul import gdn_precision
 
-    from qwen35_jax.bench.report import breakdown_table, table
-    from qwen35_jax.layers.chunk_states import gdn_chunk_scan, gdn_remat
-    from qwen35_jax.layers.gdn_matmul import gdn_precision
+    from qwen35_bench.report import breakdown_table, table
 
     tunables = {"ours" if not args.run_torch else args.stack: os.environ.get("GLIBC_TUNABLES")}
     if args.stack == "both" and args.run_torch:

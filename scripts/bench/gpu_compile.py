@@ -10,7 +10,7 @@ roofline.
 XLA:GPU compiles the step (sequence-sharded forward, fused log-prob loss, gradients, clipping, AdamW,
 float32 master weights and moments ZeRO-3 sharded, bf16 compute) for compile-only devices of the
 target, exactly as on the device: the per-device memory is the device's own figure. The optimised
-program is then read kernel by kernel (`qwen35_jax.bench.hlo_census`): bytes moved, dot FLOPs and the
+program is then read kernel by kernel (`qwen35_bench.hlo_census`): bytes moved, dot FLOPs and the
 source line behind each, and the least time each could take at the datasheet's rates. Nothing runs:
 the times are lower bounds, not measurements. --from-hlo reads a program instead of compiling one
 (the optimised HLO `scripts/device_check.sh` brings back from a GPU), to set the roofline beside the
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # the CUDA plugin registers its compiler either way; this keeps it from looking for a device
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    from qwen35_jax.bench.gpu_compile import run
+    from qwen35_bench.gpu_compile import run
 
     result = run(preset=args.preset, target=args.target, seq=args.seq, batch=args.batch, mesh=args.mesh,
                  remat=args.remat, scan_layers=args.scan_layers, attention=args.attention, gdn_mode=args.gdn_mode,

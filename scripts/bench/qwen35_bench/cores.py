@@ -11,12 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from qwen35_jax.bench.timing import jit_tuned, time_side_by_side
+from qwen35_bench.timing import jit_tuned, time_side_by_side
 
 
 def _in_kernel_blocks(blocks: tuple[int, int], fn: Callable) -> Callable:
     """`fn` called (and so, the first time, traced) inside `gdn_kernel_blocks(*blocks)`."""
-    from qwen35_jax.layers.chunk_states_pallas import gdn_kernel_blocks
+    from qwen35_kernels.gated_delta_rule.pallas_chunk_states import gdn_kernel_blocks
 
     def call(*args):
         with gdn_kernel_blocks(*blocks):
@@ -50,7 +50,7 @@ def time_gdn_core(
     cot = rng.standard_normal((B, S, H, D)).astype(np.float32)
     jargs = [jnp.asarray(x) for x in (q, k, v, g, beta)]
 
-    from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
+    from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
 
     grads = {}
     for scan in scans or [None]:
@@ -97,9 +97,9 @@ def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: i
     sum(outputs * cotangents), as the Pallas kernels against the batched XLA ops, at B = 1, S = `seq`,
     `heads` key = value heads of `dim`, one document; once per precision (None: the backend's), each
     kernel's largest gradient error relative to the XLA form's at the same precision."""
-    from qwen35_jax.layers.chunk_local_pallas import pallas_chunk_local
-    from qwen35_jax.layers.delta_rule import xla_chunk_local
-    from qwen35_jax.layers.gdn_matmul import resolve_gdn_precision
+    from qwen35_kernels.gated_delta_rule.chunked import xla_chunk_local
+    from qwen35_kernels.gated_delta_rule.matmul import resolve_gdn_precision
+    from qwen35_kernels.gated_delta_rule.pallas_chunk_local import pallas_chunk_local
 
     if seq % chunk:
         raise ValueError(f"chunk-local core: --core-seq {seq} is not a multiple of the chunk size {chunk}")
@@ -154,7 +154,7 @@ def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: i
 def time_attention_core(seq: int, *, steps: int, ours: bool = True, theirs: bool = True) -> dict:
     """One row: the attention core at B = 1, S = `seq`, 4 query / 2 kv heads of 64, two documents (cut
     at S / 3), causal."""
-    from qwen35_jax.layers.attention import attention_core
+    from qwen35_kernels.attention import attention_core
 
     rng = np.random.default_rng(0)
     B, S, H, K, Dh = 1, seq, 4, 2, 64

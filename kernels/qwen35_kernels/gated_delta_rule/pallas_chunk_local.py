@@ -53,15 +53,14 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from qwen35_jax.layers.chunk_states_pallas import (
+from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision
+from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
     COLS_BY_COLS,
     GRADIENT_KERNEL_WARPS,
     ROWS_BY_COLS,
     ROWS_BY_ROWS,
     tile_dot,
 )
-from qwen35_jax.layers.gdn_matmul import GdnPrecision
 
 
 def local_kernel_fits(dk: int, dv: int, chunk: int) -> bool:

@@ -24,8 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from qwen35_jax.layers.chunk_states_pallas import (
+from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
     COLS_BY_COLS,
     GRADIENT_KERNEL_WARPS,
     ROWS_BY_COLS,

@@ -27,11 +27,12 @@ def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str
     gdn_remat: what the GDN mixers keep for the backward (`chunk_states.GDN_REMATS`; None: "auto").
     logprob_backend: the fused log-prob kernel's (`qwen35_kernels.BACKENDS`). scan_layers: a key of
     `config.SCAN_LAYERS_FLAGS` ("auto": as `model.scans_layers` resolves it on a GPU)."""
+    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_remat as gdn_remat_setting
+    from qwen35_kernels.gated_delta_rule.chunk_states import resolve_gdn_remat
+
     from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS
-    from qwen35_jax.model import scans_layers
-    from qwen35_jax.layers.chunk_states import gdn_remat as gdn_remat_setting
-    from qwen35_jax.layers.chunk_states import resolve_gdn_remat
     from qwen35_jax.memory.report import fsdp_sp_product
+    from qwen35_jax.model import scans_layers
     from qwen35_jax.parallel.mesh import parse_mesh
     from qwen35_jax.train.flops import train_flops
     from qwen35_jax.train.remat_choice import compiled_bytes
@@ -102,8 +103,8 @@ def census_report(hlo_text: str, target: str, model_flops: float, *, top: int = 
     """The program's kernels by category and by model part with their roofline times on `target`, the
     bound that puts on MFU for `model_flops` per device, and the source lines moving the most
     non-matmul bytes; printed as markdown tables, returned as a dict."""
-    from qwen35_jax.bench.hlo_census import DEVICE_PEAKS, by_category, by_part, by_source, census
-    from qwen35_jax.bench.report import markdown_table
+    from qwen35_bench.hlo_census import DEVICE_PEAKS, by_category, by_part, by_source, census
+    from qwen35_bench.report import markdown_table
 
     peaks = DEVICE_PEAKS[target]
     kernels = census(hlo_text)

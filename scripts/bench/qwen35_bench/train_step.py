@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from qwen35_jax.bench.timing import time_side_by_side
+from qwen35_bench.timing import time_side_by_side
 from qwen35_jax.config import Qwen35Config, hybrid_layer_types
 
 # name -> (model settings, batch, sequence); intermediate_size is 3.5 x hidden as in the published 0.8B.
@@ -85,9 +85,9 @@ def ours_step(config: Qwen35Config, tokens: np.ndarray, attention: str = "auto",
     matmul precision it was traced with."""
     import jax
     from flax import nnx
+    from qwen35_kernels.gated_delta_rule.matmul import current_gdn_precision
 
     from qwen35_jax.kernel_choices import kernel_choices
-    from qwen35_jax.layers.gdn_matmul import current_gdn_precision
     from qwen35_jax.model import Qwen35ForCausalLM
     from qwen35_jax.parallel.mesh import create_sharded, make_mesh
     from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule, place_batch

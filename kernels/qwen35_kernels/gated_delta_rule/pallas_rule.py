@@ -24,10 +24,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-
-from qwen35_jax.layers.chunk_local_pallas import chunk_local_backward, chunk_local_forward
-from qwen35_jax.layers.chunk_states import scan_backward, scan_forward
-from qwen35_jax.layers.gdn_matmul import GdnPrecision, operand_dtype
+from qwen35_kernels.gated_delta_rule.chunk_states import scan_backward, scan_forward
+from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, operand_dtype
+from qwen35_kernels.gated_delta_rule.pallas_chunk_local import chunk_local_backward, chunk_local_forward
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))

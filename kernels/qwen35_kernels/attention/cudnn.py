@@ -23,8 +23,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-
-from qwen35_jax.layers.attention_kernels import check_attention_inputs, gpu_flash_attention
+from qwen35_kernels.attention.pallas import check_attention_inputs, gpu_flash_attention
 
 DEFAULT_MAX_SEGMENTS = 32
 

@@ -38,9 +38,8 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-
-from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, operand_dtype, round_to_bf16
-from qwen35_jax.layers.trace_setting import scoped
+from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, bf16_operands, operand_dtype, round_to_bf16
+from qwen35_kernels.trace_setting import scoped
 
 CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.gdn_remat)
 # (state columns per program, Triton warps per program): [Dk, 64] float32 lives in registers at

@@ -24,7 +24,7 @@ import math
 import re
 from dataclasses import dataclass
 
-from qwen35_jax.parallel.hlo import COLLECTIVES, DTYPE_BYTES
+from qwen35_bench.hlo import COLLECTIVES, DTYPE_BYTES
 
 _SHAPE = re.compile(r"\b(" + "|".join(DTYPE_BYTES) + r")\[([\d,]*)\]")
 _INSTRUCTION = re.compile(r"^\s+(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*?)\)(.*)$")

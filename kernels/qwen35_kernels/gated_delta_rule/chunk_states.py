@@ -42,16 +42,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-
-from qwen35_jax.layers.chunk_outputs_pallas import chunk_outputs, chunk_outputs_backward
-from qwen35_jax.layers.chunk_states_pallas import (
+from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, bf16_operands, gdn_einsum
+from qwen35_kernels.gated_delta_rule.pallas_chunk_outputs import chunk_outputs, chunk_outputs_backward
+from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
     CHUNK_STATES_NAME,
     entering_states,
     entering_states_backward,
     kernel_fits,
 )
-from qwen35_jax.layers.gdn_matmul import GdnPrecision, bf16_operands, gdn_einsum
-from qwen35_jax.layers.trace_setting import scoped
+from qwen35_kernels.trace_setting import scoped
 
 GDN_CHUNK_SCANS = ("auto", "sequential", "associative", "pallas")
 _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", default="auto")

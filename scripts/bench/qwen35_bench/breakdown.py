@@ -12,15 +12,15 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from qwen35_jax.bench.timing import jit_tuned, time_calls
+from qwen35_bench.timing import jit_tuned, time_calls
 from qwen35_jax.config import Qwen35Config
 
 
 def time_pieces(config: Qwen35Config, batch: int, seq: int, steps: int) -> list[dict]:
     """[{"piece", "fwd_s", "fwd_bwd_s"}], medians of `steps` calls after one warm-up each."""
     from qwen35_kernels import linear_logprob_entropy
+    from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
 
-    from qwen35_jax.layers.delta_rule import chunked_gated_delta_rule
     from qwen35_jax.layers.rope import rope_cos_sin
     from qwen35_jax.model import DecoderLayer, Qwen35ForCausalLM
 

@@ -16,10 +16,9 @@ import contextvars
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.trace_setting import scoped
 
-from qwen35_jax.config import GDN_PRECISIONS
-from qwen35_jax.layers.trace_setting import scoped
-
+GDN_PRECISIONS = ("auto", "highest", "high", "default", "bf16")
 BF16_OPERANDS = "bf16"  # the resolved value of "bf16" (the others resolve to a jax.lax.Precision or None)
 GdnPrecision = jax.lax.Precision | str | None
 _PRECISION_OF = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH, "default": None,

@@ -1,0 +1,40 @@
+"""The import graph is the one docs/architecture.md draws: kernels are a leaf, `parallel/` never imports
+the layers or the model, and the library imports neither torch nor Pallas (kernels live in
+qwen35_kernels, torch-based benchmark helpers in scripts/bench/qwen35_bench)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+LIBRARY = REPO / "qwen35_jax"
+
+
+def imported_modules(path: pathlib.Path) -> set[str]:
+    """Every absolute module a file imports, at any depth (function-level imports included)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found |= {node.module} | {f"{node.module}.{a.name}" for a in node.names}
+    return found
+
+
+def offenders(folder: pathlib.Path, banned: tuple[str, ...]) -> list[str]:
+    return [f"{path.relative_to(REPO)} imports {name}" for path in sorted(folder.rglob("*.py"))
+            for name in sorted(imported_modules(path)) if name.startswith(banned)]
+
+
+def test_parallel_never_imports_the_layers_or_the_model():
+    assert offenders(LIBRARY / "parallel", ("qwen35_jax.layers", "qwen35_jax.model")) == []
+
+
+def test_library_imports_no_torch_and_no_pallas():
+    assert offenders(LIBRARY, ("torch", "jax.experimental.pallas", "transformers.models")) == []
+
+
+def test_layers_import_no_runtime():
+    runtime = ("qwen35_jax.model", "qwen35_jax.train", "qwen35_jax.data", "qwen35_jax.hf", "qwen35_jax.scoring")
+    assert offenders(LIBRARY / "layers", runtime) == []
