@@ -28,9 +28,13 @@
 #      forward+backward with the Pallas chunk scan at Precision.HIGHEST, DEFAULT and bf16 operands, three
 #      kernel blocks each, and the chunk-local part's kernels against XLA at each precision
 #      ($OUT/gdn_core.json; GDN_CORE=0 skips it), then four rows of 8192 ($OUT/train_step_b4.json;
-#      TRAIN_B4=0 skips it). TRAIN_VARIANTS="--attention xla;--scan-layers true" times more one-row
-#      steps first, one per ';'-separated set of bench_train flags ($OUT/train_variant_<i>.json),
-#      each optionally led by NAME=VALUE environment words (XLA_FLAGS=--flag adds to XLA_FLAGS).
+#      TRAIN_B4=0 skips it). Before those it times more one-row steps, one per line of
+#      scripts/bench/device_check_variants.txt ($OUT/train_variant_<n>.json, n counting from 1 in the
+#      list), each a set of bench_train flags optionally led by NAME=VALUE environment words
+#      (XLA_FLAGS=--flag adds to XLA_FLAGS). TRAIN_VARIANT_RANGE=6-9 (or 6, or 6-) runs only those;
+#      TRAIN_VARIANTS="--attention xla;--scan-layers true" replaces the list (';'-separated, empty:
+#      none). LIST_VARIANTS=1 prints the variants it would run, numbered, with their bench_train
+#      arguments, and exits.
 # KERNEL_STAGES=correctness,attention (names as in device_check.json) runs only those of 1-4.
 # STAGES=kernels (1-4) or STAGES=train (5) runs one part. On 2026-12-04 an H200 took 140 s for 1-3
 # (4 cut by its budget) and 25-60 s per compile of the 0.8B step (blocks scanned / one after another);
@@ -40,6 +44,67 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./device_check_out}"
+
+if [ "${SMOKE:-0}" = "1" ]; then  # the train stage's shapes: tiny in smoke mode, any backend
+  shape=(--preset tiny --seq 128 --core-seq 128 --core-heads 2 --core-dim 16)
+else
+  shape=(--preset 0.8B --seq 8192 --core-seq 8192 --core-heads 16 --core-dim 128)
+fi
+bench=(scripts/bench/bench_train.py "${shape[@]}" --dtype bfloat16 --steps 3 --skip-torch --peak-tflops 989)
+
+# The train stage's variants: the lines of scripts/bench/device_check_variants.txt, or TRAIN_VARIANTS
+# split at ';'; comments ('#' to the end of the line) and blank entries dropped, numbered from 1,
+# TRAIN_VARIANT_RANGE=FIRST[-[LAST]] keeping some. variant_num[i] is the number, variant_words[i] the words.
+variant_num=() variant_words=()
+select_variants() {
+  local entries=() entry words n=0 first=1 last=0
+  if [ -n "${TRAIN_VARIANTS+set}" ]; then
+    IFS=';' read -ra entries <<<"$TRAIN_VARIANTS"
+  else
+    mapfile -t entries <scripts/bench/device_check_variants.txt || return 1
+  fi
+  if [ -n "${TRAIN_VARIANT_RANGE:-}" ]; then
+    if [[ "$TRAIN_VARIANT_RANGE" =~ ^([1-9][0-9]*)(-([1-9][0-9]*)?)?$ ]]; then
+      first=${BASH_REMATCH[1]}
+      if [ -z "${BASH_REMATCH[2]}" ]; then last=$first; else last=${BASH_REMATCH[3]:-0}; fi
+    else
+      echo "TRAIN_VARIANT_RANGE=$TRAIN_VARIANT_RANGE: expected FIRST, FIRST-LAST or FIRST- (counting from 1)" >&2
+      return 1
+    fi
+  fi
+  for entry in "${entries[@]}"; do
+    [[ "$entry" =~ ^[[:space:]]*# ]] && continue
+    entry="${entry%%[[:space:]]#*}"
+    read -ra words <<<"$entry"
+    [ ${#words[@]} -eq 0 ] && continue
+    n=$((n + 1))
+    if [ "$n" -ge "$first" ] && { [ "$last" -eq 0 ] || [ "$n" -le "$last" ]; }; then
+      variant_num+=("$n") variant_words+=("${words[*]}")
+    fi
+  done
+  if [ -n "${TRAIN_VARIANT_RANGE:-}" ] && [ "$n" -gt 0 ] && [ ${#variant_num[@]} -eq 0 ]; then
+    echo "TRAIN_VARIANT_RANGE=$TRAIN_VARIANT_RANGE selects none of the $n variants" >&2
+    return 1
+  fi
+}
+# a variant's leading NAME=VALUE words (envs) and its bench_train flags (flags)
+split_variant() {
+  local w words
+  read -ra words <<<"$1"
+  envs=() flags=()
+  for w in "${words[@]}"; do
+    if [ ${#flags[@]} -eq 0 ] && [[ "$w" =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else flags+=("$w"); fi
+  done
+}
+select_variants || exit 2
+if [ "${LIST_VARIANTS:-0}" = "1" ]; then  # number, the variant, then the bench_train arguments it runs with
+  for i in "${!variant_num[@]}"; do
+    split_variant "${variant_words[$i]}"
+    printf '%s\t%s\t%s\n' "${variant_num[$i]}" "${variant_words[$i]}" \
+      "${bench[*]:1} --batch 1 ${flags[*]} --json $OUT/train_variant_${variant_num[$i]}.json"
+  done
+  exit 0
+fi
 mkdir -p "$OUT"
 export PYTHONPATH=".:kernels${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -310,15 +375,9 @@ status=${PIPESTATUS[0]}
 fi
 
 if [[ ",$STAGES," == *,train,* ]]; then
-  if [ "${SMOKE:-0}" = "1" ]; then  # tiny shapes, any backend
-    shape=(--preset tiny --seq 128 --core-seq 128 --core-heads 2 --core-dim 16)
-  else
-    shape=(--preset 0.8B --seq 8192 --core-seq 8192 --core-heads 16 --core-dim 128)
-  fi
   train() {  # bench_train with the stage's shapes and any further flags; log appended, with its wall time
     local start=$SECONDS rc
-    timeout "${TRAIN_LIMIT_S:-330}" "${PYTHON:-python3}" scripts/bench/bench_train.py "${shape[@]}" \
-      --dtype bfloat16 --steps 3 --skip-torch --peak-tflops 989 "$@" 2>&1 | tee -a "$OUT/train_step_log.txt"
+    timeout "${TRAIN_LIMIT_S:-330}" "${PYTHON:-python3}" "${bench[@]}" "$@" 2>&1 | tee -a "$OUT/train_step_log.txt"
     rc=${PIPESTATUS[0]}
     echo "== took $((SECONDS - start)) s, exit $rc: bench_train $*" | tee -a "$OUT/train_step_log.txt"
     return "$rc"
@@ -345,22 +404,16 @@ if [[ ",$STAGES," == *,train,* ]]; then
       train --batch 1 --gdn-chunk-scan associative --attention xla --logprob-backend xla \
         --json "$OUT/train_step_xla.json"; }
   else
-    # more one-row steps, each with its own bench_train flags: TRAIN_VARIANTS="--attention xla;--scan-layers true";
-    # leading NAME=VALUE words set environment variables for that call (XLA_FLAGS=... adds to XLA_FLAGS):
-    # TRAIN_VARIANTS="XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --attention cudnn"
-    IFS=';' read -ra variants <<<"${TRAIN_VARIANTS:-}"
-    for i in "${!variants[@]}"; do
-      read -ra words <<<"${variants[$i]}"
-      envs=() flags=()
-      for w in "${words[@]}"; do
-        if [ ${#flags[@]} -eq 0 ] && [[ "$w" =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$w"); else flags+=("$w"); fi
-      done
-      echo "== variant $i: ${words[*]}" | tee -a "$OUT/train_step_log.txt"
+    # more one-row steps, each with its own bench_train flags (the variants selected above); leading
+    # NAME=VALUE words set environment variables for that call (XLA_FLAGS=... adds to XLA_FLAGS)
+    for i in "${!variant_num[@]}"; do
+      split_variant "${variant_words[$i]}"
+      echo "== variant ${variant_num[$i]}: ${variant_words[$i]}" | tee -a "$OUT/train_step_log.txt"
       (
         for e in "${envs[@]}"; do
           if [[ "$e" == XLA_FLAGS=* ]]; then export XLA_FLAGS="${XLA_FLAGS:-} ${e#XLA_FLAGS=}"; else export "$e"; fi
         done
-        train --batch 1 "${flags[@]}" --json "$OUT/train_variant_$i.json"
+        train --batch 1 "${flags[@]}" --json "$OUT/train_variant_${variant_num[$i]}.json"
       )
     done
     # HIGHEST (IEEE float32) against DEFAULT (TF32) and bf16 operands, each at three (state columns per
