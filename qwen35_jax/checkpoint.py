@@ -38,7 +38,7 @@ def _checkpointer(arrays: Any = None) -> ocp.Checkpointer:
     single shard larger than its cap, so the cap grows to the largest shard of `arrays`).
 
     Uncompressed: compressing (random-looking) weights gains nothing, and the compressor's buffers
-    held a second copy of the whole model in host memory while saving (docs/benchmarks.md).
+    held a second copy of the whole model in host memory while saving (docs/results.md, "Checkpoint import").
     """
     def shard_bytes(a: Any) -> int:
         sharding = getattr(a, "sharding", None)

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from qwen35_kernels.gated_delta_rule.matmul import GDN_PRECISIONS  # noqa: F401 (one of the config's choices)
+from qwen35_kernels.choices import GDN_PRECISIONS, KernelChoices  # noqa: F401 (GDN_PRECISIONS: a flag's choices)
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -27,6 +27,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 REMAT_POLICIES = ("auto", "none", "mlp", "full", "dots", "layer", "nested", "offload")
 # --scan-layers / config-file text -> Qwen35Config.scan_layers
 SCAN_LAYERS_FLAGS: dict[str, bool | str] = {"auto": "auto", "true": True, "false": False}
+GDN_SP_MODES = ("all_to_all", "state_passing")
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 _TEXT_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
 _ARCHITECTURES = {
@@ -89,8 +90,16 @@ class Qwen35Config:
     # "auto": False on GPU when nothing is recomputed (remat "none"), True otherwise (TPU: compile time of
     # deep models; CPU: no measured gain; with recomputation: memory, see `model.scans_layers`).
     scan_layers: bool | str = "auto"
+    # How GDN layers run under sequence parallelism: "all_to_all" (Ulysses: seq <-> heads around the
+    # mixer) or "state_passing" (each device keeps its shard; per-shard states cross devices).
+    gdn_sp_mode: str = "all_to_all"
+    # Which kernel runs each op ("auto": the platform's default); the train, score and memory steps trace
+    # under it (`KernelChoices.traced`). Its `platform` names the platform whose program to trace.
+    kernels: KernelChoices = KernelChoices()
 
     def __post_init__(self) -> None:
+        if isinstance(self.kernels, Mapping):  # as a checkpoint's or config file's JSON holds it
+            object.__setattr__(self, "kernels", KernelChoices(**self.kernels))
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -150,6 +159,10 @@ class Qwen35Config:
                 raise ValueError(f"num_experts == 0 needs a dense model type, got {self.hf_model_type!r}")
         if not isinstance(self.scan_layers, bool) and self.scan_layers != "auto":
             raise ValueError(f"Qwen35Config.scan_layers must be True, False or 'auto', got {self.scan_layers!r}")
+        if self.gdn_sp_mode not in GDN_SP_MODES:
+            raise ValueError(f"Qwen35Config.gdn_sp_mode must be one of {GDN_SP_MODES}, got {self.gdn_sp_mode!r}")
+        if not isinstance(self.kernels, KernelChoices):
+            raise ValueError(f"Qwen35Config.kernels must be a KernelChoices, got {type(self.kernels).__name__}")
         if self.remat not in REMAT_POLICIES:
             raise ValueError(f"Qwen35Config.remat must be one of {REMAT_POLICIES} (or a bool), got {self.remat!r}")
         for n in ("dtype", "param_dtype"):

@@ -1,32 +1,27 @@
 """The kernel and parallelism choices a user can switch from the command line.
 
-Attention implementation (`auto|xla|pallas|cudnn`), fused log-prob backend, lm_head mode, GDN
-sequence-parallel mode and the GDN matmul precision are chosen per run; attention, GDN mode and
-precision are trace-time contexts entered here. When a step fails on a GPU or TPU while a Pallas
+Attention implementation (`auto|xla|pallas|cudnn`), GDN sequence-parallel mode and the GDN matmul
+precision are chosen per run and carried by the model config (`kernels_config`); the fused log-prob
+backend and lm_head mode go to the step itself. When a step fails on a GPU or TPU while a Pallas
 kernel is selected, `explain_compile_failure` names the flags that fall back to XLA, so nobody has to
 edit code to get going.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import jax
-from qwen35_kernels.attention.pallas import attention_implementation, resolve_implementation
-from qwen35_kernels.gated_delta_rule.matmul import gdn_precision
+from qwen35_kernels.attention.pallas import resolve_implementation
 from qwen35_kernels.logprob_entropy.api import resolve_backend
 
-from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
+from qwen35_jax.config import Qwen35Config
 
 
-@contextlib.contextmanager
-def kernel_choices(attention: str = "auto", gdn_mode: str = "all_to_all",
-                   gdn_matmul_precision: str | None = None) -> Iterator[None]:
-    """Trace everything inside with attention implementation `attention`, GDN SP mode `gdn_mode` and
-    the GDN chunked form's matmul precision `gdn_matmul_precision` (None: as the context has it)."""
-    with attention_implementation(attention), gdn_sp_mode(gdn_mode), gdn_precision(gdn_matmul_precision):
-        yield
+def kernels_config(config: Qwen35Config, *, attention: str = "auto", gdn_sp_mode: str = "all_to_all",
+                   gdn_precision: str = "auto") -> Qwen35Config:
+    """`config` with a run's kernel flags: the attention implementation and GDN matmul precision in its
+    `kernels`, the GDN sequence-parallel mode beside them."""
+    return config.replace(kernels=config.kernels.replace(attention=attention, gdn_precision=gdn_precision),
+                          gdn_sp_mode=gdn_sp_mode)
 
 
 def check_kernel_choices(attention: str, compute_dtype: str, flag: str = "--compute-dtype") -> None:

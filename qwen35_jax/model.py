@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
+from qwen35_kernels.choices import current_choices
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import Attention
@@ -102,13 +103,14 @@ UNROLLABLE_REMAT = ("none", "mlp")  # policies under which GPU runs the blocks o
 
 
 def scans_layers(config: Qwen35Config, backend: str | None = None) -> bool:
-    """`config.scan_layers` with "auto" resolved for `backend` (None: this one), read at trace time:
+    """`config.scan_layers` with "auto" resolved for `backend` (None: the kernel choices' platform), read
+    at trace time:
     one after another only on GPU and only where no block is recomputed (remat "none" or "mlp"). The
     scan orders a recomputing backward block by block; unrolled, XLA is free to start every block's
     backward buffers at once (the 0.8B at 4 x 8,192 tokens under "full": 29.7 GiB scanned, 47.7
     unrolled). "mlp" recomputes one layer's feed-forward inside that layer's backward only."""
     if config.scan_layers == "auto":
-        return (backend or jax.default_backend()) != "gpu" or config.remat not in UNROLLABLE_REMAT
+        return (backend or current_choices().platform) != "gpu" or config.remat not in UNROLLABLE_REMAT
     return bool(config.scan_layers)
 
 
@@ -227,3 +229,11 @@ class Qwen35ForCausalLM(nnx.Module):
         Materialises [..., V]: for training losses use lm_head_weight() with the fused log-prob kernel."""
         w = self.lm_head_weight().astype(hidden.dtype)
         return jnp.einsum("...d,dv->...v", hidden, w, preferred_element_type=jnp.float32)
+
+
+def with_config(model: Qwen35ForCausalLM, config: Qwen35Config) -> Qwen35ForCausalLM:
+    """`model`'s arrays under `config`, a config that differs from the model's only in how it runs
+    (kernel choices, GDN sequence-parallel mode, remat, layer loop, compute dtype): the same
+    parameters, shardings included, no copy."""
+    graphdef, _ = nnx.split(nnx.eval_shape(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0))))
+    return nnx.merge(graphdef, nnx.state(model))

@@ -114,7 +114,8 @@ def score_batches(
     backend: str = "auto",
     lm_head_mode: str = "gather",
 ) -> tuple[np.ndarray, np.ndarray]:  # (log_probs [B, S] float32, entropy [B, S] float32)
-    """Score a host array in row batches; rows and positions are padded to fit the mesh and stripped."""
+    """Score a host array in row batches; rows and positions are padded to fit the mesh and stripped.
+    Traced under the model config's kernel choices, as the train step is."""
     n_rows, seq = tokens.shape
     if segment_ids is None:
         segment_ids = np.ones_like(tokens)
@@ -123,12 +124,15 @@ def score_batches(
     data_sharding = NamedSharding(mesh, TOKENS_BS)
 
     graphdef, state = nnx.split(model)
+    kernels = model.config.kernels
 
     def score(state: nnx.State, tok: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
-        return score_tokens(nnx.merge(graphdef, state), tok, seg, temperature=temperature, backend=backend,
-                            lm_head_mode=lm_head_mode)
+        with kernels.traced():
+            return score_tokens(nnx.merge(graphdef, state), tok, seg, temperature=temperature, backend=backend,
+                                lm_head_mode=lm_head_mode)
 
-    step = jax.jit(score, compiler_options=compiler_options())  # the train step's XLA options
+    # the train step's XLA options
+    step = jax.jit(score, compiler_options=compiler_options(kernels.resolve().platform))
 
     log_probs = np.zeros(tokens.shape, np.float32)
     entropy = np.zeros(tokens.shape, np.float32)

@@ -5,7 +5,7 @@ slow on the shapes a train step has: summing a [64, 4, 2, 64, 64] array over the
 gradient of a key-head Gram matrix shared by two value heads) takes 45-80 ms, a [4096, 256] column
 sum (a norm weight's gradient) 7 ms, and reductions were a fifth of the 1 x 4096 train step of
 `scripts/bench/bench_train.py`. With YNNPACK fusions off, XLA's own emitters and its other dot libraries
-run the same HLO and the step is 12-21% faster (docs/benchmarks.md). Turning off only the
+run the same HLO and the step is 12-21% faster (docs/lab_log.md, 2026-12-03). Turning off only the
 reductions is not an option: dot and elementwise fusions without them fail at run time on some of
 our layouts ("unsupported layout in YNN fusion").
 
@@ -19,7 +19,7 @@ checkpoints compile as before.
 
 XLA:CPU's scheduler is left at its default: its memory-optimised one
 (`xla_cpu_scheduler_type`) made some of our programs smaller and others much larger
-(docs/benchmarks.md, 2026-12-06), and the default is the one whose figure matched an H200's.
+(docs/lab_log.md, 2026-12-06), and the default is the one whose figure matched an H200's.
 
 Options are probed one by one, once: a jaxlib that no longer knows one (or one of its values)
 compiles without it instead of failing. GPU and TPU get no options.
@@ -51,8 +51,8 @@ def _accepted_cpu_options(options: tuple[tuple[str, str], ...]) -> dict[str, str
     return accepted
 
 
-def compiler_options() -> dict[str, str]:
-    """The `compiler_options=` for `jax.jit` on the default backend."""
-    if jax.default_backend() != "cpu":
+def compiler_options(platform: str | None = None) -> dict[str, str]:
+    """The `compiler_options=` for `jax.jit` of a program for `platform` (None: jax's backend)."""
+    if (platform or jax.default_backend()) != "cpu":
         return {}
     return dict(_accepted_cpu_options(tuple(CPU_OPTIONS.items())))

@@ -12,7 +12,7 @@
 #   2. speed at T = 8192, D = 4096, V = 248,320 (bf16): a plain [T, D] x [D, V] matmul, then pallas and
 #      xla forward+backward, as rates of 8 T D V FLOPs (forward 2, backward recompute 2 + dh 2 + dW 2),
 #      with compile-time scratch memory;
-#   3. attention (qwen35_jax/layers/attention_kernels.py): the Pallas Triton flash kernel with document
+#   3. attention (kernels/qwen35_kernels/attention/pallas.py): the Pallas Triton flash kernel with document
 #      masks and cuDNN's (attention_cudnn.py; with max_segments=2 too, which sends the row to its
 #      Triton fallback) against the XLA core at S = 4096, 8 query / 2 kv heads, Dh = 256, bf16 (errors
 #      against a float32 reference, forward and forward+backward time, scratch memory, a few block sizes);
@@ -255,18 +255,14 @@ def _():
 
 @stage("attention")
 def _():
-    # Flash attention with document masks (qwen35_jax/layers/attention_kernels.py, Pallas Triton)
-    # against the XLA core, bf16, packed documents, GQA. The kernels module imports only jax; it is
-    # loaded by path so this stage runs without the model's other dependencies.
-    import importlib.util
+    # Flash attention with document masks (kernels/qwen35_kernels/attention/pallas.py, Pallas Triton)
+    # against the XLA core, bf16, packed documents, GQA. qwen35_kernels imports only jax.
+    from qwen35_kernels.attention import pallas as ak
 
-    spec = importlib.util.spec_from_file_location("attention_kernels", "qwen35_jax/layers/attention_kernels.py")
-    ak = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ak)
     try:
-        from qwen35_jax.layers.attention import attention_core
+        from qwen35_kernels.attention import attention_core
         xla_core, xla_name = (lambda q, k, v, s: attention_core(q, k, v, s, implementation="xla")), "attention_core"
-    except ImportError as e:  # no flax here: a plain float32 masked softmax (the same semantics)
+    except ImportError as e:  # a plain float32 masked softmax (the same semantics)
         xla_name = f"inline reference ({e})"
 
         def xla_core(q, k, v, s):
@@ -297,8 +293,8 @@ def _():
     with jax.default_matmul_precision("highest"):  # float32 reference from the same bf16 inputs
         (_, want), want_g = step(xla_core)(*(x.astype(jnp.float32) for x in (q, k, v)))
     fns = {"pallas": lambda q, k, v, s: ak.gpu_flash_attention(q, k, v, s), "xla": xla_core}
-    try:  # cuDNN with the documents as packed segments (qwen35_jax/layers/attention_cudnn.py); bf16 only
-        from qwen35_jax.layers import attention_cudnn as acu
+    try:  # cuDNN with the documents as packed segments (kernels/qwen35_kernels/attention/cudnn.py); bf16 only
+        from qwen35_kernels.attention import cudnn as acu
         fns["cudnn"] = lambda q, k, v, s: acu.cudnn_flash_attention(q, k, v, s)
         # 2 segments at most: this row's 4 runs go to the Triton fallback through the same lax.cond
         fns["cudnn_fallback"] = lambda q, k, v, s: acu.cudnn_flash_attention(q, k, v, s, max_segments=2)

@@ -106,8 +106,9 @@ def run(args: argparse.Namespace) -> int:
 
     # jax is imported only after the cheap checks, so bad input fails fast.
     from qwen35_jax.checkpoint import load_model
-    from qwen35_jax.kernel_choices import check_kernel_choices, explain_compile_failure, kernel_choices
+    from qwen35_jax.kernel_choices import check_kernel_choices, explain_compile_failure, kernels_config
     from qwen35_jax.labels import IGNORE, next_token_labels
+    from qwen35_jax.model import with_config
     from qwen35_jax.parallel.mesh import init_distributed, make_mesh
     from qwen35_jax.scoring import check_inputs, score_batches
 
@@ -115,13 +116,15 @@ def run(args: argparse.Namespace) -> int:
     check_kernel_choices(args.attention, args.dtype or "float32", flag="--dtype")
     mesh = make_mesh(args.mesh)
     model, config = load_model(args.model, dtype=args.dtype, mesh=mesh)
+    config = kernels_config(config, attention=args.attention, gdn_sp_mode=args.gdn_sp_mode,
+                            gdn_precision=args.gdn_precision)
+    model = with_config(model, config)
     check_inputs(tokens, segment_ids, config.vocab_size, source=str(args.tokens))
     start = time.perf_counter()
     try:
-        with kernel_choices(args.attention, args.gdn_sp_mode, args.gdn_precision):
-            log_probs, entropy = score_batches(
-                model, tokens, segment_ids, mesh=mesh, temperature=args.temperature,
-                batch_size=args.batch_size, backend=args.backend, lm_head_mode=args.lm_head)
+        log_probs, entropy = score_batches(
+            model, tokens, segment_ids, mesh=mesh, temperature=args.temperature,
+            batch_size=args.batch_size, backend=args.backend, lm_head_mode=args.lm_head)
     except Exception as err:
         hint = explain_compile_failure(err, attention=args.attention, logprob_backend=args.backend)
         if hint is None:

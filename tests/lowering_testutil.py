@@ -30,7 +30,9 @@ def abstract_step_inputs(config: Qwen35Config, mesh: jax.sharding.Mesh, seq: int
     return graphdef, tx, params, opt_state, batch
 
 
-def train_step_for(graphdef: nnx.GraphDef, tx: Any, params: Any, opt_state: Any, lm_head: str) -> Any:
-    """The trainer's jitted step for these parameter and optimizer shardings (traced when called)."""
+def train_step_for(config: Qwen35Config, graphdef: nnx.GraphDef, tx: Any, params: Any, opt_state: Any,
+                   lm_head: str) -> Any:
+    """The trainer's jitted step for these parameter and optimizer shardings, under the config's kernel
+    choices (traced when called)."""
     shardings = jax.tree.map(lambda x: x.sharding, (params, opt_state))
-    return make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head), shardings)
+    return make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head), shardings, kernels=config.kernels)

@@ -13,6 +13,7 @@ import pytest
 from qwen35_kernels.attention import attention_core
 from qwen35_kernels.attention import cudnn as ac
 from qwen35_kernels.attention import pallas as ak
+from qwen35_kernels.choices import kernel_choices
 
 # rows of segment ids, and whether cuDNN can take them exactly at M = 4
 LAYOUTS = {
@@ -181,12 +182,11 @@ def test_float32_inputs_raise():
         ac.cudnn_flash_attention(z, z, z, jnp.ones((1, 4), jnp.int32))
 
 
-def test_resolves_on_gpu_only(monkeypatch):
+def test_resolves_on_gpu_only():
     with pytest.raises(ValueError, match="'cudnn' needs a CUDA GPU, this backend is cpu"):
         ak.resolve_implementation("cudnn")
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert ak.resolve_implementation("cudnn") == "cudnn"
-    with ak.attention_implementation("cudnn"):
+    assert ak.resolve_implementation("cudnn", "gpu") == "cudnn"
+    with kernel_choices(attention="cudnn", platform="gpu"):
         assert ak.resolve_implementation() == "cudnn"
 
 

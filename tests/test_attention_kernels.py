@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from qwen35_kernels.attention import attention_core
 from qwen35_kernels.attention import pallas as ak
+from qwen35_kernels.choices import kernel_choices
 
 from qwen35_jax.parallel.ulysses import ulysses_attention
 
@@ -117,21 +118,22 @@ def test_auto_is_xla_on_cpu():
     q, k, v, seg, _ = _inputs(b=1, s=8, h=2, k=1, dh=8)
     # a fresh function per trace: jax caches traces per function, and the setting is read when tracing
     assert "pallas_call" not in str(jax.make_jaxpr(lambda *a: attention_core(*a))(q, k, v, seg))
-    with ak.attention_implementation("pallas"):
+    with kernel_choices(attention="pallas"):
         assert ak.resolve_implementation() == "pallas_gpu"  # interpreted on CPU
         assert "pallas_call" in str(jax.make_jaxpr(lambda *a: attention_core(*a))(q, k, v, seg))
-    assert ak.current_implementation() == "auto"
+    assert ak.resolve_implementation() == "xla"
 
 
-@pytest.mark.parametrize("backend, auto, pallas", [("gpu", "pallas_gpu", "pallas_gpu"),
-                                                   ("tpu", "pallas_tpu", "pallas_tpu"),
-                                                   ("cpu", "xla", "pallas_gpu")])
-def test_resolution_per_backend(monkeypatch, backend, auto, pallas):
-    monkeypatch.setattr(jax, "default_backend", lambda: backend)
-    assert ak.resolve_implementation("auto") == auto
-    assert ak.resolve_implementation("pallas") == pallas
-    assert ak.resolve_implementation("xla") == "xla"
-    with ak.attention_implementation("pallas_tpu"):
+@pytest.mark.parametrize("platform, auto, pallas", [("gpu", "pallas_gpu", "pallas_gpu"),
+                                                    ("tpu", "pallas_tpu", "pallas_tpu"),
+                                                    ("cpu", "xla", "pallas_gpu")])
+def test_resolution_per_platform(platform, auto, pallas):
+    assert ak.resolve_implementation("auto", platform) == auto
+    assert ak.resolve_implementation("pallas", platform) == pallas
+    assert ak.resolve_implementation("xla", platform) == "xla"
+    with kernel_choices(platform=platform):
+        assert ak.resolve_implementation() == auto
+    with kernel_choices(attention="pallas_tpu", platform=platform):
         assert ak.resolve_implementation() == "pallas_tpu"
 
 
@@ -142,7 +144,7 @@ def test_context_selects_kernel_inside_ulysses(mesh_2x4):
     def sharded(q, k, v, seg):
         return ulysses_attention(attention_core, q, k, v, seg)
 
-    with jax.set_mesh(mesh_2x4), ak.attention_implementation("pallas_gpu"):
+    with jax.set_mesh(mesh_2x4), kernel_choices(attention="pallas_gpu"):
         jaxpr = str(jax.make_jaxpr(sharded)(q, k, v, seg))
         assert "pallas_call" in jaxpr and "shard_map" in jaxpr
         _check_against_xla(sharded, q, k, v, seg, w)
@@ -153,7 +155,7 @@ def test_context_selects_kernel_inside_ulysses(mesh_2x4):
     [
         (lambda: ak.resolve_implementation("flash"), "attention implementation must be one of"),
         (lambda: ak.resolve_implementation("cudnn"), "'cudnn' needs a CUDA GPU, this backend is cpu"),
-        (lambda: ak.attention_implementation("flash").__enter__(), "attention implementation must be one of"),
+        (lambda: kernel_choices(attention="flash"), "kernel choice attention must be one of"),
         (lambda: attention_core(jnp.zeros((1, 4, 3, 8)), jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 2, 8)),
                                 jnp.ones((1, 4), jnp.int32)), "H = 3 are not a multiple of kv heads K = 2"),
         (lambda: attention_core(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 5, 1, 8)), jnp.zeros((1, 5, 1, 8)),
@@ -228,7 +230,7 @@ def test_model_with_pallas_kernel_equals_xla():
             hidden = nnx.merge(graphdef, state)(tokens, segment_ids=seg)  # [B, S, D]
             return jnp.sum(jnp.sin(hidden)), hidden
 
-        with ak.attention_implementation(implementation):
+        with kernel_choices(attention=implementation):
             kernel_used = "pallas_call" in str(jax.make_jaxpr(loss)(state))
             assert kernel_used == (implementation == "pallas"), implementation
             return jax.jit(jax.value_and_grad(loss, has_aux=True))(state)

@@ -8,14 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from qwen35_kernels.choices import KernelChoices, current_choices, kernel_choices
 from qwen35_kernels.gated_delta_rule.chunk_states import (
     UNROLL_CHUNKS,
-    gdn_chunk_scan,
     pallas_chunk_states,
-    resolve_gdn_chunk_scan,
 )
 from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
-from qwen35_kernels.gated_delta_rule.matmul import BF16_OPERANDS, gdn_precision, resolve_gdn_precision
+from qwen35_kernels.gated_delta_rule.matmul import BF16_OPERANDS, resolve_gdn_precision
 from qwen35_kernels.gated_delta_rule.pallas_chunk_local import chunk_local_forward, pallas_chunk_local
 from qwen35_kernels.gated_delta_rule.pallas_chunk_states import entering_states
 from qwen35_kernels.gated_delta_rule.pallas_rule import pallas_chunked_rule
@@ -307,18 +306,17 @@ def test_pallas_rule_writes_its_output_in_the_compute_dtype():
         assert np.abs(np.asarray(got, np.float64) - want).max() <= 1e-6 * np.abs(want).max()
 
 
-def test_chunk_scan_setting_per_backend_and_context():
-    assert resolve_gdn_chunk_scan() == "sequential"  # "auto" on CPU
-    with gdn_chunk_scan("pallas"):
-        assert resolve_gdn_chunk_scan() == "pallas"
-    with gdn_chunk_scan("associative"):
-        assert resolve_gdn_chunk_scan() == "associative"
-        with gdn_chunk_scan(None):  # leaves it as is
-            assert resolve_gdn_chunk_scan() == "associative"
-    assert resolve_gdn_chunk_scan() == "sequential"
-    with pytest.raises(ValueError, match="'parallel'"):
-        resolve_gdn_chunk_scan("parallel")
-    with pytest.raises(ValueError, match="'parallel'"), gdn_chunk_scan("parallel"):
+def test_chunk_scan_choice_per_platform_and_block():
+    assert current_choices().gdn_chunk_scan == "sequential"  # "auto" on CPU
+    assert [KernelChoices(platform=p).resolve().gdn_chunk_scan for p in ("gpu", "tpu")] == ["pallas", "associative"]
+    with kernel_choices(gdn_chunk_scan="pallas"):
+        assert current_choices().gdn_chunk_scan == "pallas"
+    with kernel_choices(gdn_chunk_scan="associative"):
+        assert current_choices().gdn_chunk_scan == "associative"
+        with kernel_choices(gdn_precision="high"):  # another choice leaves this one as it is
+            assert current_choices().gdn_chunk_scan == "associative"
+    assert current_choices().gdn_chunk_scan == "sequential"
+    with pytest.raises(ValueError, match="'parallel'"), kernel_choices(gdn_chunk_scan="parallel"):
         pass
 
 
@@ -499,14 +497,14 @@ def test_bad_shapes_are_named():
 def test_precision_setting_per_backend_and_context():
     assert resolve_gdn_precision() == jax.lax.Precision.HIGHEST  # "auto" on CPU
     assert resolve_gdn_precision("default") is None  # left to jax_default_matmul_precision
-    with gdn_precision("high"):
+    with kernel_choices(gdn_precision="high"):
         assert resolve_gdn_precision() == jax.lax.Precision.HIGH
         assert resolve_gdn_precision("highest") == jax.lax.Precision.HIGHEST
     assert resolve_gdn_precision() == jax.lax.Precision.HIGHEST
     assert resolve_gdn_precision("bf16") == BF16_OPERANDS
     with pytest.raises(ValueError, match="'tf32'"):
         resolve_gdn_precision("tf32")
-    with pytest.raises(ValueError, match="'tf32'"), gdn_precision("tf32"):
+    with pytest.raises(ValueError, match="'tf32'"), kernel_choices(gdn_precision="tf32"):
         pass
 
 
@@ -518,18 +516,18 @@ def test_every_precision_setting_traces_and_agrees_on_cpu():
         _close(out, ref)  # float32 CPU matmuls ignore the precision; conftest forces "highest" as default
 
 
-def test_pallas_chunk_scan_needs_triton_sized_tiles_on_gpu(monkeypatch):
+def test_pallas_chunk_scan_needs_triton_sized_tiles_on_gpu():
     # On a GPU the Triton kernel takes power-of-two tiles of at least 16: "auto" then runs the
     # associative scan for other head dims or chunk sizes, and an explicit "pallas" is a one-line error.
     import qwen35_kernels.gated_delta_rule.chunk_states as cs
 
     assert cs.kernel_fits(128, 128, 64) and cs.kernel_fits(64, 32, 16)
     assert not cs.kernel_fits(96, 128, 64) and not cs.kernel_fits(128, 128, 8) and not cs.kernel_fits(128, 96, 64)
-    monkeypatch.setattr(cs.jax, "default_backend", lambda: "gpu")
-    assert cs.chunk_scan_for(None, 128, 128, 64) == "pallas"  # "auto" on GPU
-    assert cs.chunk_scan_for(None, 96, 96, 64) == "associative"
-    with pytest.raises(ValueError, match="'pallas' needs .* got Dk=96, Dv=96, chunk 64"):
-        cs.chunk_scan_for("pallas", 96, 96, 64)
+    with kernel_choices(platform="gpu"):
+        assert cs.chunk_scan_for(None, 128, 128, 64) == "pallas"  # "auto" on GPU
+        assert cs.chunk_scan_for(None, 96, 96, 64) == "associative"
+        with pytest.raises(ValueError, match="'pallas' needs .* got Dk=96, Dv=96, chunk 64"):
+            cs.chunk_scan_for("pallas", 96, 96, 64)
 
 
 def test_pallas_kernel_blocks_split_the_state_columns_alike():
@@ -537,8 +535,6 @@ def test_pallas_kernel_blocks_split_the_state_columns_alike():
     # float32 rounding of differently shaped matmuls (measured 2.4e-6 on states of O(1); 2e-5 allows
     # other CPUs, not a lost or doubled column block); blocks wider than Dv take the whole head. Bad
     # blocks are a one-line error.
-    from qwen35_kernels.gated_delta_rule.pallas_chunk_states import gdn_kernel_blocks
-
     rng = np.random.default_rng(0)
     n, b, h, L, dk, dv = 3, 1, 2, 16, 16, 64
     u, w, k = (jnp.asarray(rng.normal(size=(b, n, h, L, d)).astype(np.float32) * 0.3) for d in (dv, dk, dk))
@@ -548,10 +544,10 @@ def test_pallas_kernel_blocks_split_the_state_columns_alike():
     want, want_final = entering_states(u, w, k, decay, state, hi, interpret=True)
     np.testing.assert_array_equal(want_final, want[:, -1])  # float32 states: the final one is the last
     for blocks in ((16, 4), (32, 8), (128, 2)):
-        with gdn_kernel_blocks(*blocks):
+        with kernel_choices(gdn_kernel_blocks=blocks):
             got, final = entering_states(u, w, k, decay, state, hi, interpret=True)
             np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
             np.testing.assert_array_equal(final, got[:, -1])
     with pytest.raises(ValueError, match="block_v must be a power of two >= 16"):
-        with gdn_kernel_blocks(24, 4):
+        with kernel_choices(gdn_kernel_blocks=(24, 4)):
             pass

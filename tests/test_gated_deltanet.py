@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan, gdn_remat, resolve_gdn_remat
+from qwen35_kernels.choices import current_choices, kernel_choices
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
@@ -115,7 +115,7 @@ def test_gradients_match_torch_autograd(scan, remat):
     def loss(p):
         return jnp.sum(nnx.merge(graphdef, p)(jnp.asarray(x)) * w)
 
-    with gdn_chunk_scan(scan), gdn_remat(remat):
+    with kernel_choices(gdn_chunk_scan=scan), kernel_choices(gdn_remat=remat):
         grads = jax.jit(jax.grad(loss))(params)
     got = {
         "A_log": grads["A_log"][...],
@@ -194,8 +194,8 @@ def test_states_remat_keeps_inputs_chunk_states_and_rule_output_only():
 
     kept, checkpoints = {}, {}
     for remat in ("none", "states"):
-        with gdn_chunk_scan("pallas"), gdn_remat(remat):
-            assert resolve_gdn_remat() == remat
+        with kernel_choices(gdn_chunk_scan="pallas"), kernel_choices(gdn_remat=remat):
+            assert current_choices().gdn_remat == remat
             _, backward = jax.vjp(loss, *args)
             kept[remat] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
             # a new function each time: make_jaxpr caches traces by function, and the setting is read when traced
@@ -209,9 +209,9 @@ def test_states_remat_keeps_inputs_chunk_states_and_rule_output_only():
     kernels = set(re.findall(r'op_name="[^"]*?(gdn_chunk_(?:states|outputs)\w*)', text))
     assert kernels == {"gdn_chunk_states_reverse", "gdn_chunk_outputs_backward"}, kernels
     assert kept["states"] * 3 < kept["none"], kept
-    with gdn_chunk_scan("pallas"):
-        assert resolve_gdn_remat() == "states"  # "auto"
-    assert resolve_gdn_remat() == "none"  # "auto" with the CPU's sequential scan
+    with kernel_choices(gdn_chunk_scan="pallas"):
+        assert current_choices().gdn_remat == "states"  # "auto"
+    assert current_choices().gdn_remat == "none"  # "auto" with the CPU's sequential scan
 
 
 def _count_checkpoints(jaxpr) -> int:

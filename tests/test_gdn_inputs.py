@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from qwen35_kernels.gdn_inputs.stored_cotangent import materialized, stored_cotangent
 from qwen35_kernels.gdn_inputs.xla import causal_conv1d_silu
+from qwen35_kernels.choices import kernel_choices
 
 from qwen35_jax.layers.gdn_arrays import GdnWeights
 from qwen35_jax.xla_options import compiler_options
@@ -210,11 +211,9 @@ def test_pallas_conv_silu_lowers_for_gpu():
         re.findall(r'name = "(\w+)"', text))
 
 
-def test_rule_inputs_use_the_kernels_on_gpu_with_the_pallas_chunk_scan_only(monkeypatch):
+def test_rule_inputs_use_the_kernels_on_gpu_with_the_pallas_chunk_scan_only():
     # A GPU traces the input kernels with the Pallas chunk scan ("auto" there) and not with the XLA
     # fallback that scripts/device_check.sh reruns a failed step with, nor with a conv halo.
-    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan
-
     from jaxpr_testutil import all_equations
     from qwen35_jax.layers.gdn_inputs import rule_inputs
 
@@ -227,10 +226,9 @@ def test_rule_inputs_use_the_kernels_on_gpu_with_the_pallas_chunk_scan_only(monk
     weights = GdnWeights(conv, conv, conv, jnp.zeros(H), jnp.zeros(H), jnp.zeros(D))
 
     def kernels(scan, halo=None):
-        with gdn_chunk_scan(scan):
+        with kernel_choices(gdn_chunk_scan=scan, platform="gpu"):  # the program a GPU traces
             jaxpr = jax.make_jaxpr(lambda q: rule_inputs(q, q, q, b, b, weights, seg, halo))(q)
         return sorted(e.params["name"] for e in all_equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call")
 
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert kernels("auto") == ["gdn_conv_silu", "gdn_conv_silu_l2", "gdn_conv_silu_l2"]
     assert kernels("associative") == [] and kernels("pallas", halo) == []

@@ -14,11 +14,10 @@ from collections import Counter
 
 import jax
 import pytest
-from qwen35_kernels.gated_delta_rule.tiles import sequence_tile
+from qwen35_kernels.choices import KernelChoices
 
 from lowering_testutil import abstract_step_inputs, train_step_for
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.kernel_choices import kernel_choices
 
 GDN_KERNELS = {"gdn_chunk_local", "gdn_chunk_local_backward", "gdn_chunk_states", "gdn_chunk_states_reverse",
                "gdn_chunk_gradients", "gdn_chunk_outputs", "gdn_chunk_outputs_backward"}
@@ -28,7 +27,7 @@ GDN_INPUT_KERNELS = {"gdn_conv_silu", "gdn_conv_silu_l2", "gdn_conv_silu_backwar
 
 
 # remat "none" and "mlp": the blocks one after another (the GPU's default layout then); "full": scanned
-# tile: the long-context sequence tiling (`tiling.sequence_tile`): 2 tiles of the GDN layers' 256 tokens
+# tile: the long-context sequence tiling (`KernelChoices.sequence_tile`): 2 tiles of the GDN layers' 256 tokens
 # under all-to-all; 2 tiles of each 128-token shard under state passing (its two sweeps)
 @pytest.mark.parametrize("preset, attention, gdn_precision, gdn_mode, lm_head, remat, seq, tile", [
     ("tiny", "auto", None, "all_to_all", "gather", "none", 256, None),
@@ -41,16 +40,16 @@ def test_train_step_lowers_for_cuda(monkeypatch, mesh_2x4, preset, attention, gd
                                     remat, seq, tile):
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    config = Qwen35Config.preset(preset, dtype="bfloat16", remat=remat)
+    # the program is the GPU's: the kernel choices name the platform (nothing is patched for that); jax's
+    # cuDNN module also reads the cuDNN version and the compute capability: a Hopper with cuDNN 9.10
+    kernels = KernelChoices(attention=attention, gdn_precision=gdn_precision or "auto", sequence_tile=tile,
+                            platform="gpu")
+    config = Qwen35Config.preset(preset, dtype="bfloat16", remat=remat, kernels=kernels, gdn_sp_mode=gdn_mode)
     graphdef, tx, params, opt_state, batch = abstract_step_inputs(config, mesh_2x4, seq)
-
-    # from here on the program is the GPU's; jax's cuDNN module also reads the cuDNN version and
-    # the compute capability when traced: a Hopper with cuDNN 9.10
-    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     monkeypatch.setattr(cudnn, "check_cudnn_version", lambda: 91000)
     monkeypatch.setattr(cudnn, "check_compute_capability", lambda capability: True)
-    step = train_step_for(graphdef, tx, params, opt_state, lm_head)
-    with jax.set_mesh(mesh_2x4), kernel_choices(attention, gdn_mode, gdn_precision), sequence_tile(tile):
+    step = train_step_for(config, graphdef, tx, params, opt_state, lm_head)
+    with jax.set_mesh(mesh_2x4):
         text = step.trace(params, opt_state, batch).lower(lowering_platforms=("cuda",)).as_text()
 
     targets = Counter(re.findall(r"custom_call @([\w$.]+)", text))

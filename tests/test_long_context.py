@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
-from qwen35_kernels.gated_delta_rule.tiles import sequence_tile
+from qwen35_kernels.choices import kernel_choices
 
 from qwen35_jax.config import REMAT_POLICIES, Qwen35Config
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
@@ -144,7 +144,7 @@ def test_tiled_feed_forward_is_recomputed_once():
             y = tiled_over_sequence(lambda layer, x: jnp.tanh(layer(x)), nnx.merge(graphdef, state), x,
                                     recompute=recompute)
             return jnp.sum(y)
-        with sequence_tile(tile):
+        with kernel_choices(sequence_tile=tile):
             return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x))
 
     assert jaxpr(False, None).count("remat") == 0 and jaxpr(True, None).count("remat") > 0
@@ -185,7 +185,7 @@ def test_tiled_delta_rule_equals_untiled():
     q, k, v, g, beta, seg, init = delta_rule_inputs(2, 57)
 
     def run(tile, q, k, v, g, beta, init):
-        with sequence_tile(tile):
+        with kernel_choices(sequence_tile=tile):
             out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=init,
                                                   chunk_size=4)
         return out, state
@@ -208,8 +208,6 @@ def test_tiled_delta_rule_equals_untiled():
 def test_tiled_gdn_core_equals_untiled(scan):
     """The whole mixer (conv halo across tile edges, document starts on and next to edges, padding
     across an edge, a partial last tile) tile by tile against one pass, values and all gradients."""
-    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan
-
     from qwen35_jax.layers.gated_deltanet import gdn_core
 
     _, _, _, _, _, seg, _ = delta_rule_inputs(2, 57)
@@ -221,7 +219,7 @@ def test_tiled_gdn_core_equals_untiled(scan):
     args = tuple(jnp.asarray(rng.normal(size=sh).astype(np.float32)) for sh in shapes)
 
     def run(tile, *xs):
-        with sequence_tile(tile), gdn_chunk_scan(scan):
+        with kernel_choices(sequence_tile=tile), kernel_choices(gdn_chunk_scan=scan):
             return gdn_core(GdnTokens(*xs[:6]), GdnWeights(*xs[6:]), seg, eps=1e-6, chunk_size=4)
 
     def loss(tile):
@@ -243,14 +241,12 @@ def test_tiled_gdn_core_equals_untiled(scan):
 def test_sequence_tiled_model_equals_untiled(moe, layout, gdn_mode):
     """Tiles of 4 tokens (MLP / MoE: per device shard; delta rule: whole chunks) against no tiling; one
     block of layers (tiling is per layer, the blocks' scan is tested elsewhere)."""
-    from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
-
     tokens, seg = batch(2, 61)
     mesh = None if layout is None else make_mesh(layout, devices=jax.devices()[:8 if "2" in layout else 4])
-    config = tiny(moe, blocks=1, remat="layer")
-    with sequence_tile(None), gdn_sp_mode(gdn_mode):
+    config = tiny(moe, blocks=1, remat="layer", gdn_sp_mode=gdn_mode)
+    with kernel_choices(sequence_tile=None):
         want = value_and_grads(config, tokens, seg, mesh)
-    with sequence_tile(4), gdn_sp_mode(gdn_mode):
+    with kernel_choices(sequence_tile=4):
         got = value_and_grads(config, tokens, seg, mesh)
     assert_close(got[0], want[0], "hidden")
     assert_trees_close(got[1], want[1])
@@ -258,7 +254,7 @@ def test_sequence_tiled_model_equals_untiled(moe, layout, gdn_mode):
 
 def test_sequence_tile_rejects_negative():
     with pytest.raises(ValueError, match="sequence tile must be >= 0"):
-        with sequence_tile(-1):
+        with kernel_choices(sequence_tile=-1):
             pass
 
 
@@ -394,7 +390,7 @@ def test_tiled_backward_holds_each_layers_buffers_only_during_its_own_backward()
         step = jax.jit(jax.value_and_grad(functools.partial(loss, tiled=tiled)), compiler_options=compiler_options())
         return step.lower(states, x).compile()
 
-    with sequence_tile(1024):
+    with kernel_choices(sequence_tile=1024):
         ours, autodiff = compiled(functools.partial(tiled_over_sequence, layer_fn)), compiled(autodiff_tiles)
     temp = {name: c.memory_analysis().temp_size_in_bytes for name, c in (("ours", ours), ("autodiff", autodiff))}
     assert temp["ours"] < 0.5 * temp["autodiff"], temp  # measured 12.8 against 44.0 MiB

@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.labels import next_token_labels
 from qwen35_jax.model import EMBED_SCOPE, Qwen35ForCausalLM
-from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 from qwen35_bench.hlo import collectives
 from qwen35_jax.parallel.local import TOKEN_LOCAL_SCOPE
 from qwen35_jax.parallel.mesh import ACT_BSD, make_mesh, state_shardings
@@ -27,21 +26,21 @@ from qwen35_jax.parallel.ulysses import ATTENTION_SCOPE, GDN_SCOPE
 HIDDEN = 48  # a size no other axis has, so [.., S, D] gathers are recognisable in the HLO
 
 
-def tiny_config(moe: bool, kv_heads: int = 2) -> Qwen35Config:
+def tiny_config(moe: bool, kv_heads: int = 2, gdn_sp_mode: str = "all_to_all") -> Qwen35Config:
     """4 layers (3 GDN + 1 attention), 8 query heads and 8 GDN value heads so that sp = 8 works."""
     return Qwen35Config.preset(
         "tiny-moe" if moe else "tiny",
         vocab_size=128, hidden_size=HIDDEN, num_attention_heads=8, num_key_value_heads=kv_heads, head_dim=8,
         partial_rotary_factor=0.5, mrope_section=(1, 1, 0), linear_num_key_heads=2, linear_num_value_heads=8,
-        linear_key_head_dim=8, linear_value_head_dim=8, gdn_chunk_size=8,
+        linear_key_head_dim=8, linear_value_head_dim=8, gdn_chunk_size=8, gdn_sp_mode=gdn_sp_mode,
         **({"intermediate_size": 64} if not moe else {"num_experts": 4, "moe_intermediate_size": 16,
                                                      "shared_expert_intermediate_size": 16}),
     )
 
 
 @functools.lru_cache(maxsize=None)
-def model_parts(moe: bool, kv_heads: int):
-    model = Qwen35ForCausalLM(tiny_config(moe, kv_heads), rngs=nnx.Rngs(0))
+def model_parts(moe: bool, kv_heads: int, gdn_sp_mode: str = "all_to_all"):
+    model = Qwen35ForCausalLM(tiny_config(moe, kv_heads, gdn_sp_mode), rngs=nnx.Rngs(0))
     return nnx.split(model)
 
 
@@ -75,8 +74,8 @@ def reference(moe: bool, kv_heads: int, b: int, s: int):
     return aux, grads
 
 
-def run_on_mesh(layout: str, moe: bool, kv_heads: int, b: int, s: int):
-    graphdef, state = model_parts(moe, kv_heads)
+def run_on_mesh(layout: str, moe: bool, kv_heads: int, b: int, s: int, gdn_sp_mode: str = "all_to_all"):
+    graphdef, state = model_parts(moe, kv_heads, gdn_sp_mode)
     mesh = make_mesh(layout)
     with jax.set_mesh(mesh):
         sharded = jax.device_put(state, state_shardings(state, mesh))
@@ -119,11 +118,10 @@ def test_layouts_match_single_device(layout, moe, kv_heads, b, s):
 
 @pytest.mark.slow
 def test_gdn_state_passing_model_matches():
-    with gdn_sp_mode("state_passing"):
-        got, got_grads = run_on_mesh("fsdp=2,sp=4", False, 2, 2, 61)
-        graphdef, state = model_parts(False, 2)
-        with jax.set_mesh(make_mesh("fsdp=2,sp=4")):
-            jaxpr = str(jax.make_jaxpr(lambda st, t: nnx.merge(graphdef, st)(t))(state, batch(2, 61)[0]))
+    got, got_grads = run_on_mesh("fsdp=2,sp=4", False, 2, 2, 61, gdn_sp_mode="state_passing")
+    graphdef, state = model_parts(False, 2, "state_passing")
+    with jax.set_mesh(make_mesh("fsdp=2,sp=4")):
+        jaxpr = str(jax.make_jaxpr(lambda st, t: nnx.merge(graphdef, st)(t))(state, batch(2, 61)[0]))
     # GDN by states; attention by Ulysses (q, k, v in, output back) and one for the embedding lookup
     assert "ppermute" in jaxpr and jaxpr.count("all_to_all") == 4 + 1
     assert_matches_reference(got, got_grads, False, 2, 2, 61)

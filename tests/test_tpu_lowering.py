@@ -14,10 +14,11 @@ from collections import Counter
 
 import jax
 import pytest
+from qwen35_kernels.choices import KernelChoices
+
 from lowering_testutil import abstract_step_inputs, train_step_for
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.kernel_choices import kernel_choices
 from qwen35_jax.parallel.mesh import make_mesh
 
 # jax's Pallas TPU flash attention (forward; the backward's dK/dV and dQ kernels) and ours
@@ -33,14 +34,13 @@ LOGPROB_KERNELS = {"logprob_forward", "logprob_backward_dh", "logprob_backward_d
     ("tiny-moe", (2, 4), "state_passing", "vocab_parallel", "none"),
     ("tiny", (2, 1), "all_to_all", "gather", "full"),
 ])
-def test_train_step_lowers_for_tpu(monkeypatch, preset, mesh_shape, gdn_mode, lm_head, remat):
+def test_train_step_lowers_for_tpu(preset, mesh_shape, gdn_mode, lm_head, remat):
     mesh = make_mesh(mesh_shape, devices=jax.devices()[:mesh_shape[0] * mesh_shape[1]])
-    config = Qwen35Config.preset(preset, dtype="bfloat16", remat=remat)
+    config = Qwen35Config.preset(preset, dtype="bfloat16", remat=remat, gdn_sp_mode=gdn_mode,
+                                 kernels=KernelChoices(platform="tpu"))  # the program is the TPU's
     graphdef, tx, params, opt_state, batch = abstract_step_inputs(config, mesh, 256)
-
-    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")  # from here on the program is the TPU's
-    step = train_step_for(graphdef, tx, params, opt_state, lm_head)
-    with jax.set_mesh(mesh), kernel_choices("auto", gdn_mode, None):
+    step = train_step_for(config, graphdef, tx, params, opt_state, lm_head)
+    with jax.set_mesh(mesh):
         text = step.trace(params, opt_state, batch).lower(lowering_platforms=("tpu",)).as_text()
 
     targets = Counter(re.findall(r"custom_call @([\w$.]+)", text))

@@ -14,7 +14,7 @@ from qwen35_jax.model import Qwen35ForCausalLM
 from qwen35_jax.parallel.mesh import make_mesh, shard_model
 from qwen35_jax.scoring import score_batches
 from qwen35_jax.train import (ArrayBatches, StepOptions, check_batch_size, init_opt_state, make_optimizer,
-                              make_schedule, make_train_step, place_batch, synthetic_data)
+                              make_schedule, make_train_step, place_batch, synthetic_data, trainer_step)
 from qwen35_jax.train.optim import decays
 from qwen35_jax.train.step import UPDATE_FORMS, update_form, update_if
 
@@ -70,6 +70,27 @@ class State:
 def batches(data, batch_size=4):
     return ArrayBatches(data, batch_size, vocab_size=CONFIG.vocab_size, fields=tuple(
         k for k in ("old_log_probs", "advantages", "ref_log_probs") if k in data))
+
+
+def test_trainer_step_gives_a_library_user_the_trainers_program(base_model):
+    # One call: remat "auto" chosen by compiled memory (a model jitted on its own would run "full"),
+    # and the trainer's update: the same loss as the trainer's step of the same model on the same batch
+    # (within float32 rounding of a differently rematerialised program) and the same next loss.
+    host = batches(packed_data(np.random.default_rng(0))).next_batch()
+    trainer = State(base_model, "fsdp=1,sp=1")
+    model = nnx.clone(base_model)
+    nnx.update(model, jax.tree.map(jnp.copy, nnx.state(model)))  # the step donates: own buffers
+    model = shard_model(model, trainer.mesh)
+    step, params, opt_state = trainer_step(model, TX, trainer.mesh, StepOptions(temperature=TEMPERATURE))
+    losses = []
+    for _ in range(2):
+        with jax.set_mesh(trainer.mesh):
+            params, opt_state, metrics = step(params, opt_state, place_batch(host, trainer.mesh, 1, 1))
+        losses.append(float(metrics["loss"]))
+    assert step.policy == "none"  # the first rung of the ladder fits this tiny model
+    want = [trainer.step(host)["loss"] for _ in range(2)]
+    np.testing.assert_allclose(losses, want, rtol=1e-5)
+    assert losses[1] < losses[0]
 
 
 def test_sft_loss_decreases_on_a_fixed_batch(base_model):

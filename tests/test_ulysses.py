@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from qwen35_kernels.attention import attention_core
+from qwen35_kernels.choices import kernel_choices
 
 from qwen35_jax.layers.gated_deltanet import ulysses_gdn
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
@@ -208,11 +209,7 @@ def _boundary_segments(b, s, sp):
     pytest.param("fsdp=1,sp=8", 1, "auto", None, marks=pytest.mark.slow),
 ])
 def test_gdn_state_passing_matches(layout, key_heads, scan, tile):
-    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan
-    from qwen35_kernels.gated_delta_rule.tiles import sequence_tile
-
     from qwen35_jax.layers.gated_deltanet import gdn_core, sharded_gdn_core
-    from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
     sp = int(layout.split("sp=")[1])
     args, _, w = _gdn_inputs(b=2, s=32, hk=key_heads, hv=4, d=8, kc=4)
@@ -224,8 +221,8 @@ def test_gdn_state_passing_matches(layout, key_heads, scan, tile):
 
     def sharded_with(tile):
         def sharded(*a):
-            with gdn_sp_mode("state_passing"), gdn_chunk_scan(scan), sequence_tile(tile):
-                return sharded_gdn_core(*a, seg, **static)
+            with kernel_choices(gdn_chunk_scan=scan, sequence_tile=tile):
+                return sharded_gdn_core(*a, seg, **static, sp_mode="state_passing")
         return sharded
 
     sharded = sharded_with(tile)
@@ -253,13 +250,9 @@ def test_gdn_state_passing_matches(layout, key_heads, scan, tile):
 
 def test_gdn_state_passing_needs_a_halo_sized_shard():
     from qwen35_jax.layers.gated_deltanet import sharded_gdn_core
-    from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
 
     args, seg, _ = _gdn_inputs(b=2, s=16, hk=2, hv=4, d=4, kc=4)
-    with jax.set_mesh(make_mesh("fsdp=1,sp=8")), gdn_sp_mode("state_passing"), pytest.raises(
-        ValueError, match="needs >= 3 tokens per shard"
-    ):
-        sharded_gdn_core(*args, seg, eps=1e-6, chunk_size=4)
-    with pytest.raises(ValueError, match="not one of"):
-        with gdn_sp_mode("ring"):
-            pass
+    with jax.set_mesh(make_mesh("fsdp=1,sp=8")), pytest.raises(ValueError, match="needs >= 3 tokens per shard"):
+        sharded_gdn_core(*args, seg, eps=1e-6, chunk_size=4, sp_mode="state_passing")
+    with pytest.raises(ValueError, match="GDN sequence-parallel mode 'ring' is not one of"):
+        sharded_gdn_core(*args, seg, eps=1e-6, chunk_size=4, sp_mode="ring")

@@ -5,9 +5,11 @@
   convention (Pallas Triton kernels on GPU, XLA elsewhere).
 - `attention`: causal, document-masked attention (XLA, Pallas flash on GPU/TPU, cuDNN).
 - `gdn_inputs`: causal conv1d + SiLU within documents, L2 norm.
+- `choices`: `KernelChoices`, which kernel runs each op, "auto" resolved per platform.
 """
 
 from .attention import attention_core
+from .choices import KernelChoices, current_choices, kernel_choices
 from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 from .gdn_inputs import causal_conv1d_silu, l2_normalize
 from .logprob_entropy import (
@@ -21,10 +23,13 @@ from .logprob_entropy import (
 __all__ = [
     "BACKENDS",
     "MODES",
+    "KernelChoices",
     "attention_core",
     "causal_conv1d_silu",
     "chunk_gated_delta_rule",
+    "current_choices",
     "fused_recurrent_gated_delta_rule",
+    "kernel_choices",
     "l2_normalize",
     "linear_logprob_entropy",
     "sharded_linear_logprob_entropy",

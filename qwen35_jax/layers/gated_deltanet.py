@@ -14,12 +14,13 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from qwen35_kernels.choices import current_choices
 from qwen35_kernels.gated_delta_rule.tiles import delta_rule_tile
 
-from qwen35_jax.config import Qwen35Config
+from qwen35_jax.config import GDN_SP_MODES, Qwen35Config
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights, check_gdn_arrays, conv_halo
 from qwen35_jax.layers.gdn_segment import gdn_segment
-from qwen35_jax.layers.gdn_state_passing import current_gdn_mode, gdn_state_passing
+from qwen35_jax.layers.gdn_state_passing import gdn_state_passing
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.norms import GatedRMSNorm
@@ -39,7 +40,7 @@ def gdn_core(
 
     The conv window and the recurrent state restart at every document start; padding tokens are
     zeroed before the conv, leave the state untouched and output zeros. Sequences longer than the
-    delta rule's tile (`tiling.sequence_tile`) run tile by tile (`gdn_tiling.tiled_gdn_core`).
+    delta rule's tile (the kernel choices' `sequence_tile`) run tile by tile (`gdn_tiling.tiled_gdn_core`).
     """
     check_gdn_arrays(tokens, weights, "gdn_core")
     B, S = tokens.q.shape[:2]
@@ -60,13 +61,16 @@ def sharded_gdn_core(
     *,
     eps: float,
     chunk_size: int,
+    sp_mode: str = "all_to_all",
 ) -> jax.Array:  # [B, S/sp, Hv, Dv]
     """`gdn_core` under the context mesh's sequence parallelism: the seq <-> heads all-to-all around
-    it (`ulysses_gdn`, the default) or, inside `gdn_sp_mode("state_passing")`, states passed between
-    sequence shards (`gdn_state_passing`). Without a multi-device mesh `gdn_core` itself; at sp = 1 on
-    one, `gdn_core` on each device's rows."""
+    it (`ulysses_gdn`, sp_mode "all_to_all") or states passed between sequence shards
+    (`gdn_state_passing`, "state_passing"). Without a multi-device mesh `gdn_core` itself; at sp = 1
+    on one, `gdn_core` on each device's rows."""
+    if sp_mode not in GDN_SP_MODES:
+        raise ValueError(f"GDN sequence-parallel mode {sp_mode!r} is not one of {GDN_SP_MODES}")
     mesh = active_sp_mesh()
-    if mesh is not None and current_gdn_mode() == "state_passing":
+    if mesh is not None and sp_mode == "state_passing":
         return gdn_state_passing(tokens, weights, segment_ids, mesh=mesh, eps=eps, chunk_size=chunk_size)
     return ulysses_gdn(gdn_core, tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size)
 
@@ -131,8 +135,9 @@ class GatedDeltaNet(nnx.Module):
                              conv_v=w[:, 2 * Hk * Dk :].reshape(Kc, Hv, Dv),
                              A_log=self.A_log[...], dt_bias=self.dt_bias[...], norm_weight=self.norm.weight[...])
 
-        out = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps,
-                               chunk_size=self.config.gdn_chunk(jax.default_backend()))  # [B, S, Hv, Dv]
+        chunk_size = self.config.gdn_chunk(current_choices().platform)
+        out = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps, chunk_size=chunk_size,
+                               sp_mode=self.config.gdn_sp_mode)  # [B, S, Hv, Dv]
         return self.out_proj(out.reshape(B, S, Hv * Dv))
 
 

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.gated_delta_rule.chunk_states import inside_recomputed_mixer, resolve_gdn_chunk_scan
+from qwen35_kernels.choices import current_choices
+from qwen35_kernels.gated_delta_rule.chunk_states import inside_recomputed_mixer
 from qwen35_kernels.gated_delta_rule.matmul import operand_dtype, resolve_gdn_precision
 from qwen35_kernels.gated_delta_rule.reference import document_index
 from qwen35_kernels.gdn_inputs import pallas as gdn_inputs_pallas
@@ -47,14 +48,15 @@ def rule_inputs(
 
     Without `halo` the conv window starts at the first token (zeros before it); with it the window
     reaches into the halo tokens, stopping at document starts. `kernels` (None: on a GPU with the
-    Pallas chunk scan, whose fallback `gdn_chunk_scan("associative")` is then XLA throughout; where the
+    Pallas chunk scan, whose alternative, the "associative" scan, is then XLA throughout; where the
     sizes fit): without a halo, the conv, SiLU and norms by the Pallas kernels of `gdn_inputs_pallas`,
     q and k then in the dtype the delta rule stores them (`gdn_matmul.operand_dtype`: bfloat16 under
     bf16 GDN matmuls)."""
     B, T, _, Dk = q.shape
     conv_q, conv_k, conv_v, A_log, dt_bias = weights[:5]
     if kernels is None:
-        kernels = jax.default_backend() == "gpu" and resolve_gdn_chunk_scan() == "pallas"
+        choices = current_choices()
+        kernels = choices.platform == "gpu" and choices.gdn_chunk_scan == "pallas"
     if kernels and halo is None and all(gdn_inputs_pallas.fits(T, x.shape[-1]) for x in (q, v)):
         valid, doc = document_index(segment_ids, B, T)
         qk_dtype = operand_dtype(resolve_gdn_precision())

@@ -25,8 +25,6 @@ the conv, norms, gates and one delta-rule pass twice.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -35,7 +33,6 @@ from jax.sharding import PartitionSpec as P
 from qwen35_kernels.gated_delta_rule.chunk_states import apply_gdn_remat
 from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
 from qwen35_kernels.gated_delta_rule.tiles import delta_rule_tile, document_starts_tile, tile_scan
-from qwen35_kernels.trace_setting import scoped
 
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights, conv_halo
 from qwen35_jax.layers.gdn_inputs import rule_inputs
@@ -45,21 +42,6 @@ from qwen35_jax.layers.norms import gated_rms_norm
 from qwen35_jax.parallel.mesh import FSDP, SP, mesh_axis_size
 
 GDN_STATE_SCOPE = "gdn_state_passing"
-GDN_MODES = ("all_to_all", "state_passing")
-
-_mode: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_sp_mode", default="all_to_all")
-
-
-def gdn_sp_mode(mode: str) -> contextlib.AbstractContextManager[None]:
-    """Choose how GDN layers traced inside the block run under sp: "all_to_all" (default) or
-    "state_passing"."""
-    if mode not in GDN_MODES:
-        raise ValueError(f"GDN sequence-parallel mode {mode!r} is not one of {GDN_MODES}")
-    return scoped(_mode, mode)
-
-
-def current_gdn_mode() -> str:
-    return _mode.get()
 
 
 def _shifted_in(x: jax.Array, sp: int) -> jax.Array:

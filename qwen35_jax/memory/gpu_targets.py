@@ -1,13 +1,14 @@
-"""GPUs to compile for without one: their descriptions, compile-only devices of them, and tracing as
-a GPU traces.
+"""GPUs to compile for without one: their descriptions, compile-only devices of them, and jax's cuDNN
+checks answered for them.
 
 XLA compiles for a GPU from a description of it (its PJRT "target config": SM count, memory, compute
 capability, cuDNN and CUDA versions): jax's CUDA plugin makes compile-only devices of that description
 (`jax.experimental.topologies`), and a jit lowered onto a mesh of them compiles to the program the
 device would run, Triton kernels and cuDNN calls included, with the device's own memory figures. It
 needs the plugin, not the CUDA libraries (`pip install -e ".[gpu-compile]"`; on a GPU machine the
-installed one serves). The program traced is the GPU's because every backend-dependent choice reads
-`jax.default_backend()` while the step is traced: `traced_as_gpu` makes it answer "gpu" for that long.
+installed one serves). The program traced is the GPU's because the step traces under kernel choices
+whose platform is "gpu" (`qwen35_kernels.choices`); only jax's cuDNN attention asks the local device
+for its cuDNN version and compute capability, which `cudnn_as_on_target` answers for the target.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import jax
 
 
 @dataclass(frozen=True)
@@ -78,17 +77,15 @@ def compile_only_devices(target: str, count: int) -> list[Any]:
 
 
 @contextlib.contextmanager
-def traced_as_gpu() -> Iterator[None]:
-    """Inside the block, `jax.default_backend()` is "gpu", and jax's cuDNN attention module takes the
-    target for a Hopper with cuDNN 9.10 (it asks the local device otherwise), so a step traced here
-    is the program a GPU traces."""
+def cudnn_as_on_target() -> Iterator[None]:
+    """Inside the block jax's cuDNN attention module takes the target for a Hopper with cuDNN 9.10 (it
+    asks the local device otherwise), so `--attention cudnn` traces as a GPU traces it."""
     from jax._src.cudnn import fused_attention_stablehlo as cudnn
 
-    saved = jax.default_backend, cudnn.check_cudnn_version, cudnn.check_compute_capability
-    jax.default_backend = lambda: "gpu"
+    saved = cudnn.check_cudnn_version, cudnn.check_compute_capability
     cudnn.check_cudnn_version = lambda: 91000
     cudnn.check_compute_capability = lambda capability: True
     try:
         yield
     finally:
-        jax.default_backend, cudnn.check_cudnn_version, cudnn.check_compute_capability = saved
+        cudnn.check_cudnn_version, cudnn.check_compute_capability = saved

@@ -6,11 +6,10 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS, Qwen35Config
+from qwen35_jax.config import GDN_SP_MODES, REMAT_POLICIES, SCAN_LAYERS_FLAGS, Qwen35Config
 from qwen35_jax.memory.budget import step_budget
 from qwen35_jax.memory.search import longest_fitting, parse_bytes
 from qwen35_jax.memory.step_memory import StepMemory, step_memory, traced_config
-from qwen35_jax.layers.gdn_state_passing import GDN_MODES
 
 
 def components(m: StepMemory) -> dict[str, int]:
@@ -37,8 +36,8 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
     if remat not in measurable:
         raise ValueError(f"--remat {remat!r}: measure one of {measurable} ('auto' is the trainer's "
                          "choice among 'none', 'mlp' and 'full' at its first step)")
-    if gdn_mode not in GDN_MODES:
-        raise ValueError(f"--gdn-mode {gdn_mode!r} is not one of {GDN_MODES}")
+    if gdn_mode not in GDN_SP_MODES:
+        raise ValueError(f"--gdn-mode {gdn_mode!r} is not one of {GDN_SP_MODES}")
     if scan_layers not in SCAN_LAYERS_FLAGS:
         raise ValueError(f"--scan-layers {scan_layers!r} is not one of {tuple(SCAN_LAYERS_FLAGS)}")
     backend = jax.default_backend() if target is None else target_backend(target)  # checks the name

@@ -9,7 +9,6 @@ Parameters and optimizer state are donated, so their outputs alias their inputs.
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -19,14 +18,10 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 from jax.sharding import NamedSharding
-from qwen35_kernels.attention.pallas import attention_implementation
-from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan
-from qwen35_kernels.gated_delta_rule.matmul import gdn_precision as gdn_matmul_precision
-from qwen35_kernels.gated_delta_rule.tiles import DEFAULT_SEQUENCE_TILE, sequence_tile
+from qwen35_kernels.choices import DEFAULT_SEQUENCE_TILE
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.gdn_state_passing import gdn_sp_mode
-from qwen35_jax.memory.targets import target_backend, target_devices, traced_as
+from qwen35_jax.memory.targets import target_backend, target_devices, traced_for
 from qwen35_jax.model import scans_layers
 from qwen35_jax.parallel.mesh import make_mesh, state_shardings
 from qwen35_jax.train.optim import make_optimizer, make_schedule, opt_state_shardings
@@ -89,11 +84,11 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     """Lower and compile the whole train step for one [batch, seq] batch (batch default: fsdp).
 
     By default the program an H200 runs: attention ("pallas": the GPU flash kernel, no [S, S] or
-    [block, S] scores) and the GDN chunk-state scan (`gdn_chunk_scan`, "pallas": the Triton kernel,
+    [block, S] scores) and the GDN chunk-state scan (`KernelChoices.gdn_chunk_scan`, "pallas": the Triton kernel,
     whose mixers keep only their inputs and chunk states) lower in interpret mode on CPU, and a
     `scan_layers` and a GDN chunk size of "auto" are resolved as on a GPU (`traced_config`). tile: `sequence_tile` (None:
     untiled). lm_head_mode: as `score_tokens` takes it. gdn_precision: the chunked delta rule's matmul
-    precision (`gdn_matmul.gdn_precision`; None: the backend's default). logprob_backend: the fused
+    precision (`KernelChoices.gdn_precision`; None: the platform's default). logprob_backend: the fused
     log-prob kernel's (`qwen35_kernels.BACKENDS`). devices: the mesh's devices
     (default: this process's). target: a device of `targets.COMPILE_TARGETS` to compile for with its
     own compiler instead, on compile-only devices of it (no GPU or TPU needed): that device's program
@@ -101,15 +96,16 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     and the associative GDN chunk scan ("pallas" is taken as "auto"), its layers as a TPU lays them out."""
     fsdp, sp = mesh_shape
     config = traced_config(config, target)
-    if target is not None:  # all of it traced as on the target, the jit's compiler options included
-        if target_backend(target) == "tpu" and gdn_scan == "pallas":
-            gdn_scan = "auto"
-        with traced_as(target):
-            return compile_train_step(config, seq, mesh_shape, gdn_mode=gdn_mode, attention=attention,
-                                      gdn_scan=gdn_scan, tile=tile, lm_head_mode=lm_head_mode, batch=batch,
-                                      devices=target_devices(target, fsdp * sp), gdn_precision=gdn_precision,
-                                      logprob_backend=logprob_backend)
-    devs = list(jax.devices() if devices is None else devices)[: fsdp * sp]
+    platform = None if target is None else target_backend(target)  # None: this process's (kernels interpreted)
+    if platform == "tpu" and gdn_scan == "pallas":
+        gdn_scan = "auto"
+    kernels = config.kernels.replace(attention=attention, gdn_chunk_scan=gdn_scan, sequence_tile=tile,
+                                     gdn_precision=gdn_precision or "auto", platform=platform)
+    config = config.replace(kernels=kernels, gdn_sp_mode=gdn_mode)
+    if target is not None:
+        devs = target_devices(target, fsdp * sp)
+    else:
+        devs = list(jax.devices() if devices is None else devices)[: fsdp * sp]
     mesh = make_mesh(mesh_shape, devices=devs)
     tx = make_optimizer(make_schedule(1e-5, 1000))  # the trainer's AdamW + clipping: its state is what counts
     graphdef, params, opt_state = abstract_train_state(config, mesh, tx)
@@ -118,11 +114,9 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
                     for name in ("tokens", "segment_ids", "loss_mask")}
     shardings = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_state))
     step = make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head_mode, backend=logprob_backend),
-                           shardings)  # the trainer's step
+                           shardings, kernels=config.kernels)  # the trainer's step
     start = time.time()
-    mode = gdn_sp_mode(gdn_mode) if sp > 1 else contextlib.nullcontext()
-    with (jax.set_mesh(mesh), mode, attention_implementation(attention), gdn_chunk_scan(gdn_scan),
-          sequence_tile(tile), gdn_matmul_precision(gdn_precision)):
+    with jax.set_mesh(mesh), traced_for(target):
         compiled = step.lower(params, opt_state, batch_arrays).compile()
     return compiled, time.time() - start
 

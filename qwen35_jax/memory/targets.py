@@ -6,8 +6,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from qwen35_jax.memory.gpu_targets import GPU_TARGETS, GpuTarget, compile_only_devices, traced_as_gpu
-from qwen35_jax.memory.tpu_targets import TPU_TARGETS, TpuTarget, tpu_compile_only_devices, traced_as_tpu
+from qwen35_jax.memory.gpu_targets import GPU_TARGETS, GpuTarget, compile_only_devices, cudnn_as_on_target
+from qwen35_jax.memory.tpu_targets import TPU_TARGETS, TpuTarget, tpu_compile_only_devices
 
 COMPILE_TARGETS = (*GPU_TARGETS, *TPU_TARGETS)
 
@@ -43,6 +43,9 @@ def target_devices(target: str, count: int) -> list[Any]:
     return tpu_compile_only_devices(target, count)
 
 
-def traced_as(target: str) -> contextlib.AbstractContextManager[None]:
-    """Inside it the step traces as the target's platform does (`jax.default_backend()` answers for it)."""
-    return traced_as_gpu() if target_backend(target) == "gpu" else traced_as_tpu()
+def traced_for(target: str | None) -> contextlib.AbstractContextManager[None]:
+    """What a step traced for `target` needs beyond its kernel choices' platform: on a GPU target jax's
+    cuDNN checks answer for the target (`cudnn_as_on_target`); nothing otherwise."""
+    if target is not None and target_backend(target) == "gpu":
+        return cudnn_as_on_target()
+    return contextlib.nullcontext()

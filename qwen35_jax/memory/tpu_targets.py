@@ -5,8 +5,8 @@ libtpu holds XLA:TPU's compiler and, through `jax.experimental.topologies`, make
 of a named slice (a generation and a chip grid); a jit lowered onto a mesh of them compiles to the
 program the slice would run, the Pallas TPU (Mosaic) kernels included, with each chip's own memory
 figures. It needs libtpu, not a TPU (`pip install -e ".[tpu-compile]"`, which is `jax[tpu]`; on a TPU
-machine the installed one serves). The program traced is the TPU's because every backend-dependent
-choice reads `jax.default_backend()` while the step is traced: `traced_as_tpu` makes it answer "tpu".
+machine the installed one serves). The program traced is the TPU's because the step traces under
+kernel choices whose platform is "tpu" (`qwen35_kernels.choices`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
-
-import jax
 
 
 @dataclass(frozen=True)
@@ -100,14 +98,3 @@ def _libtpu_without_a_tpu(accelerator: str) -> Iterator[None]:
             if value is None:
                 os.environ.pop(name, None)
 
-
-@contextlib.contextmanager
-def traced_as_tpu() -> Iterator[None]:
-    """Inside the block `jax.default_backend()` is "tpu", so a step traced here is the program a TPU
-    traces."""
-    saved = jax.default_backend
-    jax.default_backend = lambda: "tpu"
-    try:
-        yield
-    finally:
-        jax.default_backend = saved

@@ -16,7 +16,7 @@ _EXPORTS = {
     "init_opt_state": "optim", "make_optimizer": "optim", "make_schedule": "optim", "opt_state_shardings": "optim",
     "TrainOptions": "options", "parse_options": "options",
     "OBJECTIVES": "step", "StepOptions": "step", "make_eval_step": "step", "make_train_step": "step",
-    "train": "loop",
+    "train": "loop", "trainer_step": "library",
 }
 __all__ = sorted(_EXPORTS)
 

@@ -23,7 +23,7 @@ from qwen35_jax.checkpoint import _config_dict, load_checkpoint
 from qwen35_jax.config import SCAN_LAYERS_FLAGS, Qwen35Config
 from qwen35_jax.hf.export import is_lead_process, sync_processes
 from qwen35_jax.hf.load import abstract_model, default_shardings
-from qwen35_jax.kernel_choices import check_kernel_choices, explain_compile_failure, kernel_choices
+from qwen35_jax.kernel_choices import check_kernel_choices, explain_compile_failure, kernels_config
 from qwen35_jax.parallel.mesh import FSDP, init_distributed, make_mesh, mesh_axis_size
 from qwen35_jax.train.checkpoints import RunCheckpoints
 from qwen35_jax.train.data import BatchStream, check_batch_size, place_batch, process_slice
@@ -31,10 +31,10 @@ from qwen35_jax.train.flops import peak_tflops, train_flops
 from qwen35_jax.train.metrics import MetricsLog, Progress, plot_loss
 from qwen35_jax.train.optim import init_opt_state, make_optimizer, make_schedule, opt_state_shardings
 from qwen35_jax.train.options import TrainOptions, flag
+from qwen35_jax.train.remat_choice import make_config_train_step
 from qwen35_jax.train.run import open_run_dir, write_config
 from qwen35_jax.train.signals import StopRequest
 from qwen35_jax.train.sources import open_eval_stream, open_train_stream
-from qwen35_jax.train.remat_choice import make_config_train_step
 from qwen35_jax.train.step import StepOptions, finish_eval, make_eval_step
 
 EXIT_BAD_STEPS = 3
@@ -104,12 +104,13 @@ def _start_model(options: TrainOptions, mesh: jax.sharding.Mesh) -> tuple[Qwen35
 
 
 def _runtime_config(config: Qwen35Config, options: TrainOptions) -> Qwen35Config:
-    """The stored config with this run's compute dtype, remat policy and layer loop (none changes the
-    params)."""
+    """The stored config with this run's compute dtype, remat policy, layer loop and kernel choices
+    (none changes the params)."""
     changes: dict[str, Any] = {"dtype": options.compute_dtype, "scan_layers": SCAN_LAYERS_FLAGS[options.scan_layers]}
     if options.remat is not None:
         changes["remat"] = options.remat
-    return config.replace(**changes)
+    return kernels_config(config.replace(**changes), attention=options.attention, gdn_sp_mode=options.gdn_sp_mode,
+                          gdn_precision=options.gdn_precision)
 
 
 def _abstract_params(config: Qwen35Config, mesh: jax.sharding.Mesh) -> Any:
@@ -185,8 +186,9 @@ def prepare(options: TrainOptions) -> Run:
     train_step = make_config_train_step(config, tx, step_options,
                                         (param_shardings, jax.tree.map(lambda x: x.sharding, opt_state)),
                                         log=functools.partial(print, flush=True) if is_lead_process() else None)
+    eval_step = make_eval_step(graphdef, step_options, kernels=config.kernels)
     run = Run(options=options, mesh=mesh, config=config, meta=meta, params=params, opt_state=opt_state,
-              schedule=schedule, train_step=train_step, eval_step=make_eval_step(graphdef, step_options),
+              schedule=schedule, train_step=train_step, eval_step=eval_step,
               stream=stream, eval_stream=eval_stream, eval_batches=eval_batches, checkpoints=checkpoints,
               shard_count=shard_count, batch_size=batch_size, start_step=start_step)
     if restored is not None:
@@ -250,7 +252,7 @@ def loop(run: Run, stop: StopRequest) -> int:
     run.eval_start = run.eval_stream.get_state() if run.eval_stream is not None else None
     rows, saved, step = [], run.start_step, run.start_step
     try:
-        with kernel_choices(options.attention, options.gdn_sp_mode, options.gdn_precision), jax.set_mesh(run.mesh):
+        with jax.set_mesh(run.mesh):
             bad_in_a_row = 0
             while step < options.steps and not stop.agreed():
                 step += 1

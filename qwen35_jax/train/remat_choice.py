@@ -111,7 +111,8 @@ def make_config_train_step(config: Qwen35Config, tx: optax.GradientTransformatio
     """The trainer's step (`make_train_step`) for `config`; an `AutoRematStep` when its remat is "auto"."""
 
     def make_step(policy: str) -> Any:
-        return make_train_step(abstract_model(config.replace(remat=policy))[0], tx, options, shardings)
+        return make_train_step(abstract_model(config.replace(remat=policy))[0], tx, options, shardings,
+                               kernels=config.kernels)
 
     def layout(policy: str) -> str:
         return "blocks scanned" if scans_layers(config.replace(remat=policy)) else "blocks one after another"

@@ -38,12 +38,10 @@ def _synthetic(options: TrainOptions, config: Qwen35Config, batch_size: int, mes
     data = synthetic_data(batch_size, options.seq_len, config.vocab_size, objective=options.objective,
                           seed=options.seed)
     if options.objective == "ppo":  # on-policy: the behaviour policy is the starting model
-        from qwen35_jax.kernel_choices import kernel_choices
         from qwen35_jax.scoring import score_batches
-        with kernel_choices(options.attention, options.gdn_sp_mode, options.gdn_precision):
-            data["old_log_probs"], _ = score_batches(
-                nnx.merge(graphdef, params), data["tokens"], None, mesh=mesh, temperature=options.temperature,
-                backend=options.logprob_backend, lm_head_mode=options.lm_head)
+        data["old_log_probs"], _ = score_batches(  # the graph's config carries the run's kernel choices
+            nnx.merge(graphdef, params), data["tokens"], None, mesh=mesh, temperature=options.temperature,
+            backend=options.logprob_backend, lm_head_mode=options.lm_head)
         data["ref_log_probs"] = data["old_log_probs"]
     if is_lead_process():
         tmp = directory + ".tmp"

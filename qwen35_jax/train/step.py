@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.labels import IGNORE, next_token_labels
 from qwen35_jax.losses import KL_ESTIMATORS, policy_terms
@@ -142,19 +143,26 @@ def update_if(ok: jax.Array, update: Callable[[Params, Any], tuple[Params, Any]]
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, options: StepOptions,
-                    shardings: tuple[Any, Any]) -> Callable[[Params, Any, Batch], tuple[Params, Any, dict[str, jax.Array]]]:
+                    shardings: tuple[Any, Any], *, kernels: KernelChoices = KernelChoices()
+                    ) -> Callable[[Params, Any, Batch], tuple[Params, Any, dict[str, jax.Array]]]:
     """`step(params, opt_state, batch) -> (params, opt_state, metrics)`, jitted, donating the old
     params and optimizer state; `shardings` = (params', opt_state's) shardings, kept by the outputs.
 
     Call it with the mesh set (`jax.set_mesh(mesh)`). Metrics (scalars): loss and the objective's terms
     as token means over the whole batch's loss mask, tokens (that mask's sum), grad_norm (before
     clipping), applied (1, or 0 when the loss or gradient was not finite and nothing changed) and
-    batch_tokens (non-padding tokens of the batch). The jit carries our CPU compiler options
-    (`xla_options`), so it must be the outermost one: to trace the step inside another
-    transformation, use the unjitted `step.__wrapped__`.
+    batch_tokens (non-padding tokens of the batch). The whole step, backward included, traces under
+    `kernels` (the model config's `kernels`; its platform, else jax's backend, is the one whose program
+    this is). The jit carries our CPU compiler options (`xla_options`), so it must be the outermost
+    one: to trace the step inside another transformation, use the unjitted `step.__wrapped__`.
     """
 
     def step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
+        with kernels.traced() as resolved:
+            return traced_step(params, opt_state, batch, resolved.platform)
+
+    def traced_step(params: Params, opt_state: Any, batch: Batch, platform: str
+                    ) -> tuple[Params, Any, dict[str, jax.Array]]:
         masks = _masks(batch)  # [K, b, S]
         tokens = jnp.sum(masks)
         denominator = jnp.maximum(tokens, 1.0)
@@ -173,25 +181,28 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, op
             updates, new_opt_state = tx.update(grads, opt_state, params)
             return optax.apply_updates(params, updates), new_opt_state
 
-        params, opt_state = update_if(finite, update, params, opt_state, form=update_form(jax.default_backend()))
+        params, opt_state = update_if(finite, update, params, opt_state, form=update_form(platform))
         batch_tokens = jnp.sum(batch["segment_ids"] != 0).astype(jnp.float32)
         return params, opt_state, {**metrics, "grad_norm": grad_norm, "applied": finite.astype(jnp.float32),
                                    "batch_tokens": batch_tokens}
 
-    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None), compiler_options=compiler_options())
+    return jax.jit(step, donate_argnums=(0, 1), out_shardings=(*shardings, None),
+                   compiler_options=compiler_options(kernels.resolve().platform))
 
 
-def make_eval_step(graphdef: nnx.GraphDef, options: StepOptions) -> Callable[[Params, Batch], dict[str, jax.Array]]:
+def make_eval_step(graphdef: nnx.GraphDef, options: StepOptions, *, kernels: KernelChoices = KernelChoices()
+                   ) -> Callable[[Params, Batch], dict[str, jax.Array]]:
     """`eval_step(params, batch) -> {term: sum over the batch's mask, "tokens": mask sum}` (sums, so
-    several batches add up before `finish_eval` divides)."""
+    several batches add up before `finish_eval` divides), traced under `kernels`."""
 
     def eval_step(params: Params, batch: Batch) -> dict[str, jax.Array]:
         masks = _masks(batch)
-        sums = _sum_over_micro_batches(
-            lambda micro, mask: _micro_sums(options, graphdef, params, micro, mask, jnp.ones(()))[1], batch, masks)
+        with kernels.traced():
+            sums = _sum_over_micro_batches(
+                lambda micro, mask: _micro_sums(options, graphdef, params, micro, mask, jnp.ones(()))[1], batch, masks)
         return {**sums, "tokens": jnp.sum(masks)}
 
-    return jax.jit(eval_step, compiler_options=compiler_options())
+    return jax.jit(eval_step, compiler_options=compiler_options(kernels.resolve().platform))
 
 
 def finish_eval(totals: dict[str, float]) -> dict[str, float]:

@@ -56,12 +56,13 @@ def measure(config, seq: int, sp: int, itemsize: int, gdn_mode: str) -> dict:
     from flax import nnx
 
     from qwen35_jax.model import Qwen35ForCausalLM
-    from qwen35_jax.layers.gdn_state_passing import GDN_STATE_SCOPE, gdn_sp_mode
+    from qwen35_jax.layers.gdn_state_passing import GDN_STATE_SCOPE
     from qwen35_bench.hlo import collectives
     from qwen35_jax.parallel.mesh import TOKENS_BS, make_mesh, state_shardings
     from qwen35_jax.parallel.ulysses import ATTENTION_SCOPE, GDN_SCOPE
 
     mesh = make_mesh((1, sp), devices=jax.devices()[:sp])
+    config = config.replace(gdn_sp_mode=gdn_mode)
     abstract = nnx.eval_shape(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)))
     graphdef, state = nnx.split(abstract)
     shardings = state_shardings(state, mesh)
@@ -73,7 +74,7 @@ def measure(config, seq: int, sp: int, itemsize: int, gdn_mode: str) -> dict:
         return jnp.sum(jnp.square(hidden.astype(jnp.float32)))
 
     start = time.time()
-    with jax.set_mesh(mesh), gdn_sp_mode(gdn_mode):
+    with jax.set_mesh(mesh):
         compiled = jax.jit(jax.grad(loss)).lower(state, tokens).compile()
     seconds = time.time() - start
     memory = compiled.memory_analysis()

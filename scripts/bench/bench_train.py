@@ -129,8 +129,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--dtype bfloat16 needs --skip-torch (the transformers side runs float32)")
     if args.preset is not None and args.preset not in PRESETS:
         p.error(f"unknown preset {args.preset!r}; choose one of {sorted(PRESETS)}")
-    from qwen35_kernels.gated_delta_rule.chunk_states import GDN_CHUNK_SCANS, GDN_REMATS
-    from qwen35_kernels.gated_delta_rule.matmul import GDN_PRECISIONS
+    from qwen35_kernels.choices import GDN_CHUNK_SCANS, GDN_PRECISIONS, GDN_REMATS
 
     blocks = []
     for value in args.core_kernel_blocks or []:
@@ -242,8 +241,7 @@ def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] |
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
-    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_chunk_scan, gdn_remat
-    from qwen35_kernels.gated_delta_rule.matmul import gdn_precision
+    from qwen35_kernels.choices import kernel_choices
 
     from qwen35_bench.report import breakdown_table, table
 
@@ -251,8 +249,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.stack == "both" and args.run_torch:
         rows, breakdown, tunables = run_isolated(sys.argv[1:] if argv is None else argv, args.rounds)
     else:
-        with gdn_precision(args.gdn_precision), gdn_chunk_scan(args.gdn_chunk_scan), gdn_remat(args.gdn_remat):
-            rows, breakdown = time_rows(args)
+        chosen = {"gdn_precision": args.gdn_precision, "gdn_chunk_scan": args.gdn_chunk_scan,
+                  "gdn_remat": args.gdn_remat}
+        with kernel_choices(**{name: value for name, value in chosen.items() if value is not None}):
+            rows, breakdown = time_rows(args)  # our train steps take these choices into their configs
     threads = ""
     if args.run_torch:
         import torch

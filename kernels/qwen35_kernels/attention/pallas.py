@@ -16,44 +16,22 @@ Both need the sequence in whole blocks and equal q/kv head counts: kv heads are 
 query heads (the gradient of the repeat sums them back) and S is padded at the end with segment -1;
 causality keeps every real query off the padded keys, the padded rows are dropped.
 
-Selection: `resolve_implementation("auto")` is "xla" on CPU (and any other backend), "pallas_gpu"
-on GPU, "pallas_tpu" on TPU, read from `jax.default_backend()` when the attention is traced.
-"pallas" is this backend's Pallas kernel; on CPU it is the GPU kernel in interpret mode (tests).
-"cudnn" resolves only on a GPU.
-`attention_implementation(name)` sets the choice for everything traced inside it (like
-`gdn_sp_mode`, it must wrap the first trace of a jitted step: `jax.jit` caches traces).
+Selection: the kernel choices' `attention` (`qwen35_kernels.choices`): "auto" is "xla" on CPU (and
+any other backend), "pallas_gpu" on GPU, "pallas_tpu" on TPU; "pallas" is the platform's Pallas
+kernel (on CPU the GPU kernel in interpret mode: tests); "cudnn" resolves only on a GPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import threading
 from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.choices import ATTENTION_IMPLEMENTATIONS, KernelChoices, current_choices
 from qwen35_kernels.logprob_entropy.tiles import half_operand_precision
 
-IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "cudnn")
-
-_state = threading.local()
-
-
-@contextlib.contextmanager
-def attention_implementation(name: str) -> Iterator[None]:
-    """Run attention traced inside this block with implementation `name` (see IMPLEMENTATIONS)."""
-    check_implementation(name)
-    prev = current_implementation()
-    _state.name = name
-    try:
-        yield
-    finally:
-        _state.name = prev
-
-
-def current_implementation() -> str:
-    """The contextual setting of `attention_implementation`, "auto" outside any."""
-    return getattr(_state, "name", "auto")
+IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS
 
 
 def check_implementation(name: str) -> None:
@@ -62,19 +40,15 @@ def check_implementation(name: str) -> None:
         raise ValueError(f"attention implementation must be one of {IMPLEMENTATIONS}, got {name!r}")
 
 
-def resolve_implementation(name: str | None = None) -> str:
-    """"xla", "pallas_gpu", "pallas_tpu" or "cudnn" for `name` (None: the contextual setting) on this
-    backend; a one-line ValueError for "cudnn" off a GPU."""
-    name = current_implementation() if name is None else name
-    check_implementation(name)
-    backend = jax.default_backend()
-    if name == "cudnn" and backend != "gpu":
-        raise ValueError(f"attention implementation 'cudnn' needs a CUDA GPU, this backend is {backend}")
-    if name == "auto":
-        return {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}.get(backend, "xla")
-    if name == "pallas":
-        return "pallas_tpu" if backend == "tpu" else "pallas_gpu"
-    return name
+def resolve_implementation(name: str | None = None, platform: str | None = None) -> str:
+    """"xla", "pallas_gpu", "pallas_tpu" or "cudnn" for `name` (None: the kernel choices') on `platform`
+    (None: the kernel choices'); a one-line ValueError for "cudnn" off a GPU."""
+    active = current_choices()
+    if name is None and platform is None:
+        return active.attention
+    check_implementation(name or "auto")
+    choices = KernelChoices(attention=name or active.attention, platform=platform or active.platform)
+    return choices.resolve().attention
 
 
 def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:
@@ -137,7 +111,7 @@ def gpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
         if not (_is_pow2(blk) and blk >= 16):
             raise ValueError(f"{name} must be a power of two >= 16, got {blk}")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = current_choices().platform != "gpu"
     tile = min(max(block_q, block_k, block_bwd), max(16, 1 << (s - 1).bit_length()))
     qp, kp, vp, seg = _pad_to_blocks(q, k, v, segment_ids, tile)
     bwd = min(block_bwd, tile)
@@ -162,7 +136,7 @@ def tpu_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: j
     if block <= 0 or block % 128:
         raise ValueError(f"block must be a positive multiple of 128, got {block}")
     if interpret is None:
-        interpret = jax.default_backend() != "tpu"
+        interpret = current_choices().platform != "tpu"
     b, s, h, dh = q.shape
     blk = min(block, 128 * -(-s // 128))
     qp, kp, vp, seg = _pad_to_blocks(q, k, v, segment_ids, blk)

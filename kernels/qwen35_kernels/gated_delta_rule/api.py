@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-
 from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
 from qwen35_kernels.gated_delta_rule.reference import recurrent_gated_delta_rule
 from qwen35_kernels.gdn_inputs.xla import l2_normalize

@@ -33,7 +33,6 @@ All three are exact rewritings of the same recurrence; they differ only in float
 
 from __future__ import annotations
 
-import contextlib
 import contextvars
 import functools
 from collections.abc import Callable
@@ -42,6 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
+from qwen35_kernels.choices import KernelChoices, current_choices
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, bf16_operands, gdn_einsum
 from qwen35_kernels.gated_delta_rule.pallas_chunk_outputs import chunk_outputs, chunk_outputs_backward
 from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
@@ -52,9 +52,6 @@ from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
 )
 from qwen35_kernels.trace_setting import scoped
 
-GDN_CHUNK_SCANS = ("auto", "sequential", "associative", "pallas")
-_scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", default="auto")
-
 # What the GDN mixer keeps for its backward pass (`gdn_segment.gdn_segment`):
 # - "none": no recompute; autodiff keeps every intermediate it needs, about 230 KB per token and layer
 #   at the 0.8B shapes (16 heads of 128), most of it float32 [tokens, heads, 128]-sized arrays.
@@ -64,34 +61,18 @@ _scan: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_chunk_scan", de
 #   [B, S, H, Dv] in the compute dtype), which are kept: the backward repeats the intra-chunk part but
 #   neither the sequential part nor the output kernel (the rule's own backward does not need its
 #   output; only the norm after it does). About 4x less to keep.
-# - "auto": "states" with the Pallas chunk scan, "none" otherwise (the sequential scan on CPU names no
-#   states, so "states" there would rerun the whole scan).
-GDN_REMATS = ("auto", "none", "states")
+# - "auto" (`choices.KernelChoices.resolve`): "states" with the Pallas chunk scan, "none" otherwise
+#   (the sequential scan on CPU names no states, so "states" there would rerun the whole scan).
 RULE_OUTPUT_NAME = "gdn_rule_output"
-_remat: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_remat", default="auto")
+# Set while a mixer that `apply_gdn_remat` recomputes is traced: not a choice, the structure of the trace
 _inside_recomputed_mixer: contextvars.ContextVar[bool] = contextvars.ContextVar("gdn_inside_recomputed_mixer",
                                                                                 default=False)
 
 
-def gdn_remat(name: str | None) -> contextlib.AbstractContextManager[None]:
-    """What GDN mixers traced inside the block keep for the backward (GDN_REMATS); None: as is."""
-    return contextlib.nullcontext() if name is None else scoped(_remat, resolve_gdn_remat(name, on_backend=False))
-
-
-def resolve_gdn_remat(name: str | None = None, *, on_backend: bool = True) -> str:
-    """`name` (None: the context's) checked, and with on_backend "auto" resolved for the chunk scan."""
-    name = _remat.get() if name is None else name
-    if name not in GDN_REMATS:
-        raise ValueError(f"GDN remat must be one of {GDN_REMATS}, got {name!r}")
-    if on_backend and name == "auto":
-        return "states" if resolve_gdn_chunk_scan() == "pallas" else "none"
-    return name
-
-
 def apply_gdn_remat(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` (a GDN mixer) as `gdn_remat` says: for "states" checkpointed so that only its inputs, the
-    named chunk states and the named rule output are kept for the backward, else unchanged."""
-    if resolve_gdn_remat() == "states":
+    """`fn` (a GDN mixer) as the kernel choices' `gdn_remat` says: for "states" checkpointed so that only
+    its inputs, the named chunk states and the named rule output are kept for the backward, else unchanged."""
+    if current_choices().gdn_remat == "states":
         def traced_as_recomputed(*args: Any) -> Any:
             with scoped(_inside_recomputed_mixer, True):
                 return fn(*args)
@@ -107,35 +88,19 @@ def inside_recomputed_mixer() -> bool:
     return _inside_recomputed_mixer.get()
 
 
-def gdn_chunk_scan(name: str | None) -> contextlib.AbstractContextManager[None]:
-    """Chunk-state scan (GDN_CHUNK_SCANS) of delta rules traced inside the block; None leaves it as is.
-    Like any trace-time setting it must wrap the first trace of a jitted step."""
-    if name is None:
-        return contextlib.nullcontext()
-    return scoped(_scan, resolve_gdn_chunk_scan(name, on_backend=False))
-
-
-def resolve_gdn_chunk_scan(name: str | None = None, *, on_backend: bool = True) -> str:
-    """`name` (None: the context's) checked, and with on_backend "auto" resolved for this backend."""
-    name = _scan.get() if name is None else name
-    if name not in GDN_CHUNK_SCANS:
-        raise ValueError(f"GDN chunk scan must be one of {GDN_CHUNK_SCANS}, got {name!r}")
-    if on_backend and name == "auto":
-        return {"cpu": "sequential", "gpu": "pallas"}.get(jax.default_backend(), "associative")
-    return name
-
-
 def chunk_scan_for(name: str | None, dk: int, dv: int, chunk: int) -> str:
-    """The scan to run for these head and chunk sizes: `resolve_gdn_chunk_scan(name)`, except that
-    where the Triton kernel cannot take them (on GPU) "auto" runs "associative" and an explicit
-    "pallas" is a one-line error."""
-    scan = resolve_gdn_chunk_scan(name)
-    if scan != "pallas" or jax.default_backend() != "gpu" or kernel_fits(dk, dv, chunk):
+    """The scan to run for these head and chunk sizes: `name` (None: the kernel choices' scan; "auto"
+    resolved for their platform), except that where the Triton kernel cannot take the sizes (on GPU)
+    the fallback of "auto" runs ("associative") and an explicit "pallas" is a one-line error."""
+    active = current_choices()
+    choices = active if name is None else KernelChoices(gdn_chunk_scan=name, platform=active.platform).resolve()
+    scan = choices.gdn_chunk_scan
+    if scan != "pallas" or choices.platform != "gpu" or kernel_fits(dk, dv, chunk):
         return scan
-    if (_scan.get() if name is None else name) == "auto":
-        return "associative"
+    if choices.gdn_chunk_scan_fallback is not None:
+        return choices.gdn_chunk_scan_fallback
     raise ValueError(f"GDN chunk scan 'pallas' needs key/value head dims and chunk size that are powers of two "
-                     f">= 16 on GPU, got Dk={dk}, Dv={dv}, chunk {chunk}; use gdn_chunk_scan('associative')")
+                     f">= 16 on GPU, got Dk={dk}, Dv={dv}, chunk {chunk}; choose gdn_chunk_scan='associative'")
 
 
 # Up to this many chunks the sequential scan is written out: no while loop, and a backward of
@@ -276,7 +241,7 @@ def pallas_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, 
     and the outputs from them by the Pallas output kernel, under one VJP. `interpret`: None runs the
     Triton kernels on a GPU and interprets them elsewhere; False builds them for Triton anywhere."""
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = current_choices().platform != "gpu"
     return _pallas_scan(u, w, q, k, intra, decay, state, prec, interpret)
 
 

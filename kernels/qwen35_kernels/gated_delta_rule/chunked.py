@@ -11,6 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.choices import current_choices
 from qwen35_kernels.gated_delta_rule.chunk_states import CHUNK_STATES, chunk_scan_for
 from qwen35_kernels.gated_delta_rule.matmul import gdn_einsum, operand_dtype, resolve_gdn_precision
 from qwen35_kernels.gated_delta_rule.pallas_chunk_local import local_kernel_fits
@@ -62,7 +63,7 @@ def chunked_gated_delta_rule(
     G = Hv // Hk
     L = chunk_size
     scan = chunk_scan_for(chunk_scan, Dk, Dv, L)
-    pallas_rule = scan == "pallas" and (jax.default_backend() != "gpu" or local_kernel_fits(Dk, Dv, L))
+    pallas_rule = scan == "pallas" and (current_choices().platform != "gpu" or local_kernel_fits(Dk, Dv, L))
     # The end-to-end Pallas rule reads v in its own dtype (the compute dtype's bytes, the same float32
     # values in registers) and returns its gradient in it, where a float32 cast would be two more passes;
     # q and k it takes in the dtype it stores them (below).

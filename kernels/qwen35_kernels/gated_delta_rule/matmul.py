@@ -11,33 +11,14 @@ in float32; "bf16" rounds only what enters a matmul.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.trace_setting import scoped
+from qwen35_kernels.choices import GDN_PRECISIONS, KernelChoices, current_choices
 
-GDN_PRECISIONS = ("auto", "highest", "high", "default", "bf16")
 BF16_OPERANDS = "bf16"  # the resolved value of "bf16" (the others resolve to a jax.lax.Precision or None)
 GdnPrecision = jax.lax.Precision | str | None
 _PRECISION_OF = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGH, "default": None,
                  "bf16": BF16_OPERANDS}
-_precision: contextvars.ContextVar[str] = contextvars.ContextVar("gdn_precision", default="auto")
-
-
-def gdn_precision(name: str | None) -> contextlib.AbstractContextManager[None]:
-    """Matmul precision (GDN_PRECISIONS) of delta rules traced inside the block; None leaves it as is.
-    Like any trace-time setting it must wrap the first trace of a jitted step."""
-    if name is None:
-        return contextlib.nullcontext()
-    check_gdn_precision(name)
-    return scoped(_precision, name)
-
-
-def current_gdn_precision() -> str:
-    """The `gdn_precision` context's name (GDN_PRECISIONS), unresolved."""
-    return _precision.get()
 
 
 def check_gdn_precision(name: str) -> None:
@@ -47,12 +28,12 @@ def check_gdn_precision(name: str) -> None:
 
 
 def resolve_gdn_precision(name: str | None = None) -> GdnPrecision:
-    """What `gdn_einsum` takes for `name` (None: the `gdn_precision` context) on this backend."""
-    name = _precision.get() if name is None else name
-    check_gdn_precision(name)
-    if name == "auto":
-        name = "highest" if jax.default_backend() == "cpu" else "default"
-    return _PRECISION_OF[name]
+    """What `gdn_einsum` takes for `name` (None: the kernel choices'; "auto" resolved for their platform)."""
+    active = current_choices()
+    if name is not None:
+        check_gdn_precision(name)
+        active = KernelChoices(gdn_precision=name, platform=active.platform).resolve()
+    return _PRECISION_OF[active.gdn_precision]
 
 
 def bf16_operands(prec: GdnPrecision) -> bool:
@@ -77,7 +58,7 @@ def gdn_einsum(spec: str, a: jax.Array, b: jax.Array, prec: GdnPrecision) -> jax
     bf16 operands on CPU are rounded and multiplied in float32 (the same values): XLA:CPU's dot
     thunk has no bf16 x bf16 -> float32 form for some of these einsums outside a fused program."""
     if bf16_operands(prec):
-        if jax.default_backend() == "cpu":
+        if current_choices().platform == "cpu":
             return jnp.einsum(spec, round_to_bf16(a), round_to_bf16(b), precision=jax.lax.Precision.HIGHEST)
         return jnp.einsum(spec, a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
     return jnp.einsum(spec, a, b, precision=prec)

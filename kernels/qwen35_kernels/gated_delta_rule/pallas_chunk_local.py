@@ -53,6 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from qwen35_kernels.choices import current_choices
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision
 from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
     COLS_BY_COLS,
@@ -343,5 +344,5 @@ def pallas_chunk_local(
     chunk-state kernels take them, q_read = r q and k_write = write k. `interpret`: None runs the
     Triton kernels on a GPU and interprets them elsewhere; False builds them for Triton anywhere."""
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = current_choices().platform != "gpu"
     return _chunk_local(q, k, v, cum, beta, read, write, doc, prec, interpret)

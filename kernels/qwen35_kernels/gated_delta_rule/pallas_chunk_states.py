@@ -29,8 +29,6 @@ Off a GPU the kernel runs interpreted (tests).
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 
 import jax
@@ -38,36 +36,22 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from qwen35_kernels.choices import current_choices
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, bf16_operands, operand_dtype, round_to_bf16
-from qwen35_kernels.trace_setting import scoped
 
 CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.gdn_remat)
-# (state columns per program, Triton warps per program): [Dk, 64] float32 lives in registers at
-# Dk = 128, and B x H x Dv / 64 programs run side by side (32 at one row of the 0.8B's 16 heads).
-DEFAULT_BLOCKS = (64, 4)
 # The chunk-gradient kernel holds dw and dk ([L, Dk] float32 each: 64 KiB at L = 64, Dk = 128) across
 # the column blocks: eight warps keep that at 64 registers a thread.
 GRADIENT_KERNEL_WARPS = 8
-_blocks: contextvars.ContextVar[tuple[int, int]] = contextvars.ContextVar("gdn_kernel_blocks",
-                                                                         default=DEFAULT_BLOCKS)
 # `tile_dot` contractions of two 2-D tiles
 ROWS_BY_COLS = (((1,), (0,)), ((), ()))  # [a, b] x [b, c]
 COLS_BY_COLS = (((1,), (1,)), ((), ()))  # [a, c] x [b, c]^T
 ROWS_BY_ROWS = (((0,), (0,)), ((), ()))  # [b, a]^T x [b, c]
 
 
-def gdn_kernel_blocks(block_v: int, num_warps: int) -> contextlib.AbstractContextManager[None]:
-    """Kernels traced inside the block take `block_v` state columns per program and `num_warps` warps
-    (benchmarks sweep them; a power of two >= 16, and 1, 2, 4 or 8)."""
-    if block_v < 16 or block_v & (block_v - 1) or num_warps not in (1, 2, 4, 8):
-        raise ValueError(f"GDN kernel blocks: block_v must be a power of two >= 16 and num_warps 1, 2, 4 or 8, "
-                         f"got {block_v} and {num_warps}")
-    return scoped(_blocks, (block_v, num_warps))
-
-
 def state_columns(dv: int) -> int:
-    """State columns per program (`gdn_kernel_blocks`), at most the head's Dv."""
-    return min(_blocks.get()[0], dv)
+    """State columns per program (the kernel choices' `gdn_kernel_blocks`), at most the head's Dv."""
+    return min(current_choices().gdn_kernel_blocks[0], dv)
 
 
 def kernel_fits(dk: int, dv: int, chunk: int) -> bool:
@@ -129,7 +113,7 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
     B, n, H, L, Dk = p.shape
     Dv = first.shape[-1]
     p, q = read_halved(prec, p, q)
-    block_v, num_warps = _blocks.get()
+    block_v, num_warps = current_choices().gdn_kernel_blocks
     bv = min(block_v, Dv)
     if Dv % bv:
         raise ValueError(f"pallas chunk scan: value head dim {Dv} is not a multiple of {bv}")

@@ -24,6 +24,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.choices import current_choices
 from qwen35_kernels.gated_delta_rule.chunk_states import scan_backward, scan_forward
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, operand_dtype
 from qwen35_kernels.gated_delta_rule.pallas_chunk_local import chunk_local_backward, chunk_local_forward
@@ -78,5 +79,5 @@ def pallas_chunked_rule(
     kernel (its cotangent read in that dtype). `interpret`: None runs the Triton kernels on a GPU and
     interprets them elsewhere; False builds them for Triton anywhere."""
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = current_choices().platform != "gpu"
     return _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, jnp.dtype(out_dtype), interpret)

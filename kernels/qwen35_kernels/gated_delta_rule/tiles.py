@@ -6,36 +6,24 @@
 - `tile_scan(one, ...)`: the state-carrying loop over tiles, its backward written out; also what the
   model's whole-mixer tiling runs on.
 
-`with sequence_tile(tokens):` sets the tile for everything traced inside it (read at trace time: set
-it around the first trace of a jitted step); `None` or 0 turns tiling off. Sequences no longer than
-one tile run untiled. The model's token-local tiling reads the same setting.
+The tile is the kernel choices' `sequence_tile` (None: untiled); sequences no longer than one tile
+run untiled. The model's token-local tiling reads the same choice.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.trace_setting import scoped
-
-DEFAULT_SEQUENCE_TILE = 8192  # tokens per tile of each device's shard
-_tile: contextvars.ContextVar[int | None] = contextvars.ContextVar("sequence_tile", default=DEFAULT_SEQUENCE_TILE)
-
-
-def sequence_tile(tokens: int | None) -> contextlib.AbstractContextManager[None]:
-    """Tile token-local work and the delta rule in tiles of `tokens` (None or 0: no tiling)."""
-    if tokens is not None and tokens < 0:
-        raise ValueError(f"sequence tile must be >= 0 tokens (0 or None: off), got {tokens}")
-    return scoped(_tile, tokens or None)
+from qwen35_kernels.choices import current_choices
 
 
 def current_sequence_tile() -> int | None:
-    return _tile.get()
+    """The kernel choices' sequence tile (None: untiled)."""
+    return current_choices().sequence_tile
 
 
 def zeros_after(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -56,7 +44,6 @@ def _entering(state: jax.Array, reset: jax.Array) -> jax.Array:  # [B, H, Dk, Dv
 TileStep = Callable[[jax.Array, tuple[jax.Array, ...], Any, tuple[jax.Array, ...]], tuple[jax.Array, jax.Array]]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def tile_scan(one: TileStep, state0: jax.Array, tiles: tuple[jax.Array, ...], weights: Any,
               ids: tuple[jax.Array, ...], reset: jax.Array) -> tuple[jax.Array, jax.Array]:
     """`one` over the tiles in order (tiles, ids: [n, ...] each; reset [n, B]), the state carried from
@@ -66,7 +53,21 @@ def tile_scan(one: TileStep, state0: jax.Array, tiles: tuple[jax.Array, ...], we
     Differentiated by hand (`_tile_scan_backward`): autodiff of the scan would build the stacked
     input cotangents from zero-filled buffers that the compiler is free to allocate as early as it
     likes; XLA:CPU allocated those of every layer of a recomputed block when the block's backward
-    started (12 GiB at the 9B's 1M tokens on sp = 8). Here they are computed from the cotangent."""
+    started (12 GiB at the 9B's 1M tokens on sp = 8). Here they are computed from the cotangent.
+    The backward retraces `one` when the gradient is taken, so `one` runs under the kernel choices
+    of the forward trace both times."""
+    choices = current_choices()
+
+    def one_as_traced(*args: Any) -> tuple[jax.Array, jax.Array]:
+        with choices.traced():
+            return one(*args)
+
+    return _tile_scan(one_as_traced, state0, tiles, weights, ids, reset)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tile_scan(one: TileStep, state0: jax.Array, tiles: tuple[jax.Array, ...], weights: Any,
+               ids: tuple[jax.Array, ...], reset: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _tile_scan_forward(one, state0, tiles, weights, ids, reset)[0]
 
 
@@ -110,7 +111,7 @@ def _tile_scan_backward(one: TileStep, saved: tuple[Any, ...], cts: tuple[jax.Ar
     return d_state0, d_tiles, d_weights, jax.tree.map(lambda x: None, ids), None
 
 
-tile_scan.defvjp(_tile_scan_forward, _tile_scan_backward)
+_tile_scan.defvjp(_tile_scan_forward, _tile_scan_backward)
 
 
 def delta_rule_tile(chunk_size: int) -> int | None:

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from qwen35_kernels.choices import current_choices
 
 L2_EPS = 1e-6  # transformers' / FLA's l2norm eps; gdn_inputs.l2_normalize's default too
 MAX_BLOCK = 64
@@ -218,7 +219,7 @@ def pallas_conv_silu(
     if not fits(S, D):
         raise ValueError(f"pallas_conv_silu: S = {S} must be a multiple of 16 and D = {D} a power of two >= 16")
     if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+        interpret = current_choices().platform != "gpu"
     out_dtype = jnp.dtype(x.dtype if l2_scale is None else l2_dtype)
     return _conv_silu(x, kernel, valid.astype(jnp.int32), doc.astype(jnp.int32),
                       None if l2_scale is None else float(l2_scale), out_dtype, bool(interpret))

@@ -6,6 +6,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.choices import current_choices
 
 from . import reference, xla
 
@@ -22,7 +23,7 @@ def resolve_backend(backend: str) -> str:
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        return "pallas" if jax.default_backend() == "tpu" else "xla"
+        return "pallas" if current_choices().platform == "tpu" else "xla"
     return backend
 
 

@@ -29,6 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
+from qwen35_kernels.choices import current_choices
 
 from . import tiles
 
@@ -367,7 +368,7 @@ def make_blocks(
     v_splits: int = 0,
 ) -> Blocks:
     """Blocks for this platform: layout "tpu" on TPU, else "gpu"; interpret on anything but GPU/TPU."""
-    platform = jax.default_backend()
+    platform = current_choices().platform
     layout = layout or ("tpu" if platform == "tpu" else "gpu")
     if layout not in DEFAULTS:
         raise ValueError(f"layout must be 'gpu' or 'tpu', got {layout!r}")

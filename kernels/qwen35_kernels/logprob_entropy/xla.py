@@ -26,6 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
+from qwen35_kernels.choices import current_choices
 
 from . import tiles
 
@@ -43,7 +44,7 @@ ONE_PASS_BACKENDS = ("gpu", "tpu")
 
 def default_blocks() -> tuple[int, int]:
     """(block_t, block_v) for this backend."""
-    return DEFAULT_BLOCKS.get(jax.default_backend(), DEFAULT_BLOCKS["gpu"])
+    return DEFAULT_BLOCKS.get(current_choices().platform, DEFAULT_BLOCKS["gpu"])
 
 
 def _round_up(x: int, m: int) -> int:
@@ -58,7 +59,7 @@ def _blocks(num_tokens: int, vocab: int, block_t: int, block_v: int) -> tuple[in
 
 def _bits(x: jax.Array) -> jax.Array:
     """Non-float32 on CPU: the same bytes as unsigned integers of the same width; else x itself."""
-    if x.dtype == jnp.float32 or jax.default_backend() != "cpu":
+    if x.dtype == jnp.float32 or current_choices().platform != "cpu":
         return x
     return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
@@ -201,6 +202,6 @@ def token_stats(
     (`ONE_PASS_BACKENDS`)."""
     bt, bv = default_blocks()
     if one_pass is None:
-        one_pass = jax.default_backend() in ONE_PASS_BACKENDS
+        one_pass = current_choices().platform in ONE_PASS_BACKENDS
     return _stats(hidden, weight, labels, float(temperature), int(block_t or bt), int(block_v or bv),
                   bool(one_pass))

@@ -15,11 +15,11 @@ from qwen35_bench.timing import jit_tuned, time_side_by_side
 
 
 def _in_kernel_blocks(blocks: tuple[int, int], fn: Callable) -> Callable:
-    """`fn` called (and so, the first time, traced) inside `gdn_kernel_blocks(*blocks)`."""
-    from qwen35_kernels.gated_delta_rule.pallas_chunk_states import gdn_kernel_blocks
+    """`fn` called (and so, the first time, traced) with the GDN state kernel's `blocks`."""
+    from qwen35_kernels.choices import kernel_choices
 
     def call(*args):
-        with gdn_kernel_blocks(*blocks):
+        with kernel_choices(gdn_kernel_blocks=blocks):
             return fn(*args)
 
     return call

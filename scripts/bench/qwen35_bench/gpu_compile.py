@@ -24,11 +24,10 @@ def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str
     """What `scripts/bench/gpu_compile.py` prints: the compiled step's memory, then `census_report` of its
     program. from_hlo: read that optimised HLO text (.gz allowed; e.g. the one `device_check.sh`
     brings back from a GPU) instead of compiling; the shape arguments then only size the model FLOPs.
-    gdn_remat: what the GDN mixers keep for the backward (`chunk_states.GDN_REMATS`; None: "auto").
+    gdn_remat: what the GDN mixers keep for the backward (`KernelChoices.gdn_remat`; None: "auto").
     logprob_backend: the fused log-prob kernel's (`qwen35_kernels.BACKENDS`). scan_layers: a key of
     `config.SCAN_LAYERS_FLAGS` ("auto": as `model.scans_layers` resolves it on a GPU)."""
-    from qwen35_kernels.gated_delta_rule.chunk_states import gdn_remat as gdn_remat_setting
-    from qwen35_kernels.gated_delta_rule.chunk_states import resolve_gdn_remat
+    from qwen35_kernels.choices import KernelChoices
 
     from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS
     from qwen35_jax.memory.report import fsdp_sp_product
@@ -43,15 +42,14 @@ def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str
         raise ValueError(f"--seq and --batch must be >= 1, got {seq} and {batch}")
     if target not in GPU_TARGETS:
         raise ValueError(f"--target {target!r} is not one of {sorted(GPU_TARGETS)}")
-    if gdn_remat is not None:
-        resolve_gdn_remat(gdn_remat, on_backend=False)  # a one-line error for a name it does not know
+    kernels = KernelChoices(gdn_remat=gdn_remat or "auto")  # a one-line error for a name it does not know
     if logprob_backend not in LOGPROB_BACKENDS:
         raise ValueError(f"--logprob-backend {logprob_backend!r} is not one of {LOGPROB_BACKENDS}")
     if scan_layers not in SCAN_LAYERS_FLAGS:
         raise ValueError(f"--scan-layers {scan_layers!r} is not one of {tuple(SCAN_LAYERS_FLAGS)}")
     fsdp, sp = parse_mesh(mesh, fsdp_sp_product(mesh))
     config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
-                                 scan_layers=SCAN_LAYERS_FLAGS[scan_layers])
+                                 scan_layers=SCAN_LAYERS_FLAGS[scan_layers], kernels=kernels)
     scanned = scans_layers(config, backend="gpu")
     say = log or (lambda _: None)
     setting = (f"{preset}, {batch} x {seq:,} tokens, mesh fsdp={fsdp},sp={sp}, remat {remat}, "
@@ -69,10 +67,9 @@ def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str
         text = read_hlo(from_hlo)
         say(f"# {from_hlo}, read as the program of {setting}")
     else:
-        with gdn_remat_setting(gdn_remat):
-            compiled, seconds = compile_train_step(config, seq, (fsdp, sp), target=target, batch=batch,
-                                                   attention=attention, gdn_mode=gdn_mode, gdn_precision=gdn_precision,
-                                                   logprob_backend=logprob_backend)
+        compiled, seconds = compile_train_step(config, seq, (fsdp, sp), target=target, batch=batch,
+                                               attention=attention, gdn_mode=gdn_mode, gdn_precision=gdn_precision,
+                                               logprob_backend=logprob_backend)
         text = compiled.as_text()
         if hlo_path:
             with open(hlo_path, "w") as f:

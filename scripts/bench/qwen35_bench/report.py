@@ -1,4 +1,4 @@
-"""Benchmark rows: merging paired rounds and the markdown tables docs/benchmarks.md quotes.
+"""Benchmark rows: merging paired rounds and the markdown tables docs/results.md quotes.
 
 A row is a dict with "config", "batch", "seq" (and "remat" for a train step) and one timing dict per
 stack: "transformers" and "ours" or "ours <variant>", each with median_s, min_s and max_s (seconds).

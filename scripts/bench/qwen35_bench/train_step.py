@@ -85,28 +85,25 @@ def ours_step(config: Qwen35Config, tokens: np.ndarray, attention: str = "auto",
     matmul precision it was traced with."""
     import jax
     from flax import nnx
-    from qwen35_kernels.gated_delta_rule.matmul import current_gdn_precision
+    from qwen35_kernels.choices import requested_choices
 
-    from qwen35_jax.kernel_choices import kernel_choices
     from qwen35_jax.model import Qwen35ForCausalLM
     from qwen35_jax.parallel.mesh import create_sharded, make_mesh
-    from qwen35_jax.train import StepOptions, init_opt_state, make_optimizer, make_schedule, place_batch
-    from qwen35_jax.train.remat_choice import make_config_train_step
+    from qwen35_jax.train import StepOptions, make_optimizer, make_schedule, place_batch, trainer_step
 
+    # the kernel choices in force where the benchmark runs (its flags), with this row's attention
+    config = config.replace(kernels=requested_choices().replace(attention=attention))
     mesh = make_mesh((1, 1), jax.devices()[:1])
     model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), mesh)
-    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    tx = make_optimizer(make_schedule(1e-4, 1000))
-    opt_state = init_opt_state(tx, params, mesh)
-    step = make_config_train_step(config, tx, StepOptions(backend=logprob_backend),
-                                  jax.tree.map(lambda x: x.sharding, (params, opt_state)))
+    step, params, opt_state = trainer_step(model, make_optimizer(make_schedule(1e-4, 1000)), mesh,
+                                           StepOptions(backend=logprob_backend))
     ones = np.ones(tokens.shape, np.int32)
     batch = place_batch({"tokens": tokens.astype(np.int32), "segment_ids": ones, "loss_mask": ones}, mesh, 1, 1)
     state = [params, opt_state]
 
     def run() -> None:
-        with jax.set_mesh(mesh), kernel_choices(attention=attention):  # the first call traces
-            run.gdn_precision = current_gdn_precision()
+        with jax.set_mesh(mesh):  # the first call traces, under config.kernels
+            run.gdn_precision = config.kernels.gdn_precision
             state[0], state[1], metrics = step(state[0], state[1], batch)
             jax.block_until_ready(metrics)
 

@@ -1,0 +1,101 @@
+"""KernelChoices: "auto" resolved per platform in one place, one-line errors, carried by the model config
+through a checkpoint's JSON, and in force for a step's backward pass as for its forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from qwen35_kernels import KernelChoices, current_choices, kernel_choices
+from qwen35_kernels.gated_delta_rule import chunked_gated_delta_rule
+
+from qwen35_jax.checkpoint import _config_dict
+from qwen35_jax.config import Qwen35Config
+
+AUTO = {  # platform -> (attention, gdn_chunk_scan, gdn_precision, gdn_remat)
+    "cpu": ("xla", "sequential", "highest", "none"),
+    "gpu": ("pallas_gpu", "pallas", "default", "states"),
+    "tpu": ("pallas_tpu", "associative", "default", "none"),
+}
+
+
+@pytest.mark.parametrize("platform", AUTO)
+def test_auto_resolves_per_platform_and_resolving_again_changes_nothing(platform):
+    resolved = KernelChoices().resolve(platform)
+    assert (resolved.attention, resolved.gdn_chunk_scan, resolved.gdn_precision, resolved.gdn_remat) == AUTO[platform]
+    assert resolved.platform == platform and resolved.resolve("cpu") == resolved  # its own platform wins
+    assert KernelChoices(attention="pallas").resolve(platform).attention == ("pallas_tpu" if platform == "tpu"
+                                                                              else "pallas_gpu")
+    # an explicit scan has no fallback (a one-line error where Triton cannot take the sizes); "auto" has one
+    assert KernelChoices(gdn_chunk_scan="pallas").resolve(platform).gdn_chunk_scan_fallback is None
+    assert resolved.gdn_chunk_scan_fallback == "associative"
+
+
+def test_outside_any_block_the_kernels_see_this_backends_defaults():
+    assert current_choices() == KernelChoices().resolve(jax.default_backend())
+    with kernel_choices(gdn_precision="bf16") as outer:
+        assert current_choices() is outer and outer.gdn_precision == "bf16"
+        with kernel_choices(attention="pallas"):  # another choice keeps the enclosing ones
+            assert (current_choices().gdn_precision, current_choices().attention) == ("bf16", "pallas_gpu")
+    assert current_choices().gdn_precision == "highest"
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"attention": "flash"}, "kernel choice attention must be one of"),
+    ({"gdn_chunk_scan": "parallel"}, "kernel choice gdn_chunk_scan must be one of"),
+    ({"sequence_tile": -1}, "sequence tile must be >= 0"),
+    ({"gdn_kernel_blocks": (24, 4)}, "block_v must be a power of two >= 16"),
+])
+def test_bad_choices_are_one_line_errors(changes, message):
+    with pytest.raises(ValueError, match=message):
+        KernelChoices(**changes)
+    with pytest.raises(ValueError, match="'cudnn' needs a CUDA GPU, this backend is tpu"):
+        KernelChoices(attention="cudnn").resolve("tpu")
+
+
+def test_the_config_carries_the_choices_through_a_checkpoints_json():
+    kernels = KernelChoices(attention="xla", gdn_precision="bf16", sequence_tile=0, gdn_kernel_blocks=(32, 8),
+                            platform="gpu")
+    config = Qwen35Config.preset("tiny", kernels=kernels, gdn_sp_mode="state_passing")
+    assert config.kernels.sequence_tile is None  # 0 turns tiling off
+    stored = json.loads(json.dumps(_config_dict(config)))
+    assert Qwen35Config(**stored) == config
+    old = {k: v for k, v in stored.items() if k not in ("kernels", "gdn_sp_mode")}  # written before they existed
+    assert Qwen35Config(**old).kernels == KernelChoices()
+    with pytest.raises(ValueError, match="gdn_sp_mode must be one of"):
+        dataclasses.replace(config, gdn_sp_mode="ring")
+
+
+def test_a_tiled_rules_backward_runs_the_forwards_choices():
+    # The tiled rule's backward retraces each tile when the gradient is taken, after a `with` around
+    # the forward alone has closed. It must still run the forward's choices: here bf16 matmuls, whose
+    # gradients differ from the float32 ones by ~1e-3 of their scale, so running the default in the
+    # backward would show; the same choices around the whole gradient agree to float32 rounding.
+    rng = np.random.default_rng(0)
+    b, s, h, d = 1, 64, 2, 16
+    q, k = (jnp.asarray(x / np.linalg.norm(x, axis=-1, keepdims=True)) for x in rng.normal(size=(2, b, s, h, d)))
+    v = jnp.asarray(rng.normal(size=(b, s, h, d)))
+    g = jnp.asarray(-0.1 * np.abs(rng.normal(size=(b, s, h))))
+    beta = jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(b, s, h)))))
+    args = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
+    choices = {"gdn_precision": "bf16", "sequence_tile": 16}  # 4 tiles of 2 chunks
+
+    def loss(*xs):
+        return jnp.sum(jnp.sin(chunked_gated_delta_rule(*xs, chunk_size=8)[0]))
+
+    def loss_choosing_inside(*xs):
+        with kernel_choices(**choices):
+            return loss(*xs)
+
+    inside = jax.grad(loss_choosing_inside, argnums=range(5))(*args)
+    with kernel_choices(**choices):
+        around = jax.grad(loss, argnums=range(5))(*args)
+    default = jax.grad(loss, argnums=range(5))(*args)
+    for got, want, other in zip(inside, around, default):
+        scale = float(jnp.abs(want).max())
+        assert float(jnp.abs(got - want).max()) <= 1e-6 * scale
+        assert float(jnp.abs(other - want).max()) > 1e-4 * scale  # the choice shows in the gradient
