@@ -345,10 +345,11 @@ def by_source(kernels: list[Kernel], peaks: DevicePeaks, *, categories: tuple[st
     return _rows([k for k in kernels if k.category in categories], peaks, key)
 
 
-# innermost-first search of a kernel's source frames: the first frame naming one of these is its part
+# innermost-first search of a kernel's source frames (file basenames; the delta rule's files in
+# qwen35_kernels/gated_delta_rule): the first frame naming one of these is its part
 PARTS = (("step.py:update_if", "optimizer update"), ("logprob_entropy", "log-prob loss"),
-         ("chunk_states", "GDN delta rule"), ("delta_rule.py", "GDN delta rule"), ("triangular.py", "GDN delta rule"),
-         ("gdn_matmul.py", "GDN delta rule"), ("gdn_inputs.py", "GDN conv, norms, gates"),
+         ("chunk_states", "GDN delta rule"), ("chunked.py", "GDN delta rule"), ("reference.py", "GDN delta rule"),
+         ("triangular.py", "GDN delta rule"), ("matmul.py", "GDN delta rule"), ("gdn_inputs.py", "GDN conv, norms, gates"),
          ("gated_deltanet.py", "GDN projections, gated norm"), ("attention", "attention"), ("mlp.py", "MLP"),
          ("moe.py", "MoE"), ("norms.py", "RMS norms"), ("model.py", "embedding, residuals"))
 
