@@ -1,4 +1,4 @@
-"""cuDNN attention (`attention_cudnn.py`): the packed-segment form of segment ids, the switch to the
+"""cuDNN attention (`cudnn.py`): the packed-segment form of segment ids, the switch to the
 fallback kernel, and lowering for CUDA. cuDNN itself runs only on a GPU (scripts/device_check.sh
 checks its values there); here its packed semantics are a float64 NumPy model."""
 

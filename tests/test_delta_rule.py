@@ -463,7 +463,7 @@ def test_bf16_operands_stay_within_bfloat16_rounding_of_float64(scan):
     assert 5e-4 < max(errors.values()) < 2.5e-2, errors
 
 
-def test_bf16_einsum_on_a_gpu_and_its_cpu_emulation_equal_the_rounded_product(monkeypatch):
+def test_bf16_einsum_on_a_gpu_and_its_cpu_emulation_equal_the_rounded_product():
     # On CPU the bf16 operands are rounded and multiplied in float32; on a GPU they are bf16 operands of
     # a float32-accumulating matmul. Both against the float64 product of the bf16-rounded operands:
     # only float32 summation differs, 1e-5 of the result's largest entry allows it, not a lost
@@ -474,8 +474,8 @@ def test_bf16_einsum_on_a_gpu_and_its_cpu_emulation_equal_the_rounded_product(mo
     a, b = (jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in ((2, 3, 16, 32), (2, 3, 32, 8)))
     spec = "...ij,...jk->...ik"
     emulated = jax.jit(lambda a, b: gdn_matmul.gdn_einsum(spec, a, b, BF16_OPERANDS))(a, b)
-    monkeypatch.setattr(gdn_matmul.jax, "default_backend", lambda: "gpu")
-    bf16 = jax.jit(lambda a, b: gdn_matmul.gdn_einsum(spec, a, b, BF16_OPERANDS))(a, b)
+    with kernel_choices(platform="gpu"):  # the GPU's form, run on this CPU
+        bf16 = jax.jit(lambda a, b: gdn_matmul.gdn_einsum(spec, a, b, BF16_OPERANDS))(a, b)
     rounded = np.einsum(spec, *(np.asarray(x.astype(jnp.bfloat16), np.float64) for x in (a, b)))
     exact = np.einsum(spec, np.asarray(a, np.float64), np.asarray(b, np.float64))
     scale = np.abs(exact).max()

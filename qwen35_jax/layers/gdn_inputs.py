@@ -50,7 +50,7 @@ def rule_inputs(
     reaches into the halo tokens, stopping at document starts. `kernels` (None: on a GPU with the
     Pallas chunk scan, whose alternative, the "associative" scan, is then XLA throughout; where the
     sizes fit): without a halo, the conv, SiLU and norms by the Pallas kernels of `gdn_inputs_pallas`,
-    q and k then in the dtype the delta rule stores them (`gdn_matmul.operand_dtype`: bfloat16 under
+    q and k then in the dtype the delta rule stores them (`qwen35_kernels.gated_delta_rule.matmul.operand_dtype`: bfloat16 under
     bf16 GDN matmuls)."""
     B, T, _, Dk = q.shape
     conv_q, conv_k, conv_v, A_log, dt_bias = weights[:5]

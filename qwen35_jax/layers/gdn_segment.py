@@ -29,7 +29,7 @@ def gdn_segment(
 ) -> tuple[jax.Array, jax.Array]:  # [B, T, Hv, Dv] in q.dtype, final state [B, Hv, Dk, Dv] float32
     """`gdn_core` on T consecutive tokens: without `halo` the conv window starts at the first token
     (zeros before it); with it, the conv reads the halo tokens (stopping at document starts). What the
-    backward pass keeps of it is `chunk_states.gdn_remat`'s choice."""
+    backward pass keeps of it is the kernel choices' `gdn_remat`."""
     def segment(tokens: GdnTokens, weights: GdnWeights, segment_ids: jax.Array | None,
                 halo: tuple[jax.Array, ...] | None, initial_state: jax.Array | None
                 ) -> tuple[jax.Array, jax.Array]:

@@ -17,7 +17,7 @@ starts). Shards must hold at least Kc - 1 tokens.
 Traffic per device and layer: halo 3 * (Kc - 1) tokens + all-gather of sp * B * Hv * Dk * (Dk + Dv)
 float32, independent of S. Compute: one extra delta-rule pass of width Dk.
 
-Shards longer than the sequence tile (`tiling.sequence_tile`) run in two sweeps of tiles instead
+Shards longer than the sequence tile (the kernel choices' `sequence_tile`) run in two sweeps of tiles instead
 (`_two_sweeps`): the first carries (M, C) from tile to tile, the second is the tiled mixer
 (`gdn_tiling.tiled_gdn_core`) from the folded S_0, so no float32 array spans the shard; it computes
 the conv, norms, gates and one delta-rule pass twice.

@@ -2,7 +2,7 @@
 [tokens, intermediate] buffer exists for the whole sequence (ALST's TiledMLP).
 
 `tiled_over_sequence(fn, module, x)`: `fn(module, x)` for a token-local `fn` (RMSNorm + MLP +
-residual, the MoE block) over tiles of `sequence_tile()` tokens of each device's own sequence shard.
+residual, the MoE block) over tiles of the kernel choices' `sequence_tile` tokens of each device's own sequence shard.
 Exact: every token is computed on its own. The tile is the delta rule's (`qwen35_kernels.
 gated_delta_rule.tiles.sequence_tile`), so one setting tiles the whole step.
 """

@@ -23,7 +23,7 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
 
     q: [B, S, H, Dh] (normed, rotated), k/v: [B, S, K, Dh] with H % K == 0, segment_ids: [B, S]
     -> [B, S, H, Dh]. Scale 1/sqrt(Dh). Query head h reads kv head h // (H // K).
-    `implementation` (None: the `attention_implementation` context, default "auto") picks a flash
+    `implementation` (None: the kernel choices' `attention`, "auto" by default) picks a flash
     kernel on GPU/TPU (`pallas.py`, `cudnn.py`); the XLA core (`xla.py`)
     runs on CPU and is the reference. It runs block_q queries at a time (None: `default_block_q`), each block against
     only the keys up to its last query (the later ones are all masked: about half the work of every score

@@ -11,7 +11,7 @@ Kernels (flash: online softmax over key blocks, no [S, S] scores in memory, forw
     documents are exact.
   - "pallas_tpu": `jax.experimental.pallas.ops.tpu.flash_attention` with `SegmentIds`.
   - "cudnn" (GPU only, bf16/fp16, opt-in): cuDNN's fused flash attention with each row's documents
-    as packed segments, the Triton kernel for rows it cannot take exactly (`attention_cudnn.py`).
+    as packed segments, the Triton kernel for rows it cannot take exactly (`cudnn.py`).
 Both need the sequence in whole blocks and equal q/kv head counts: kv heads are repeated up to the
 query heads (the gradient of the repeat sums them back) and S is padded at the end with segment -1;
 causality keeps every real query off the padded keys, the padded rows are dropped.

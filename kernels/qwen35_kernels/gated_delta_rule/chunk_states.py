@@ -22,10 +22,10 @@ entering chunk c:
   saving its log n levels of products.
 - "pallas": one Pallas kernel walks the chunks in order with the state in registers, one launch for
   the whole sequence (and one, the transposed recurrence, for the backward); then all v_c and o_c at
-  once by a second kernel (`chunk_outputs_pallas.py`), both under one VJP. The state arithmetic of
+  once by a second kernel (`pallas_chunk_outputs.py`), both under one VJP. The state arithmetic of
   the sequential scan without its launches. Triton kernels: compiled on a GPU, interpreted elsewhere
-  (tests; slow). See `chunk_states_pallas.py`. With this scan the chunk-local part that feeds it is
-  a Pallas kernel too (`chunk_local_pallas.py`), all of them under one VJP (`chunked_rule_pallas.py`).
+  (tests; slow). See `pallas_chunk_states.py`. With this scan the chunk-local part that feeds it is
+  a Pallas kernel too (`pallas_chunk_local.py`), all of them under one VJP (`pallas_rule.py`).
 - "auto": "sequential" on CPU, "pallas" on GPU, "associative" elsewhere (TPU).
 
 All three are exact rewritings of the same recurrence; they differ only in float rounding order.

@@ -36,14 +36,14 @@ def chunked_gated_delta_rule(
     out_dtype: jnp.dtype = jnp.float32,
 ) -> tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] out_dtype, [B, Hv, Dk, Dv] float32
     """Chunked UT/WY form: intra-chunk work as batched matmuls, then the state carried over chunks by
-    `chunk_scan` (see `chunk_states.py`; None: the `gdn_chunk_scan` context, "auto" by default); with
-    the "pallas" scan all of it Pallas kernels under one VJP (`chunked_rule_pallas.py`).
+    `chunk_scan` (see `chunk_states.py`; None: the kernel choices' `gdn_chunk_scan`, "auto" by default);
+    with the "pallas" scan all of it Pallas kernels under one VJP (`pallas_rule.py`).
 
     Document boundaries are masks on the intra-chunk decay matrix, on which tokens read the carried
     state, and on which tokens (and whether the old state) enter the state carried out of a chunk.
     Key heads are not repeated: the two Gram matrices (q k^T, k k^T) are formed once per key head and
-    broadcast over its G = Hv / Hk value heads. `precision` (`gdn_matmul.GDN_PRECISIONS`; None:
-    the `gdn_precision` context) is that of the matmuls with a head-dim contraction; the triangular
+    broadcast over its G = Hv / Hk value heads. `precision` (`choices.GDN_PRECISIONS`; None:
+    the kernel choices') is that of the matmuls with a head-dim contraction; the triangular
     inverse is always float32 at HIGHEST. The output is computed in float32 and returned as `out_dtype`.
     """
     if chunk_size < 1:
@@ -130,7 +130,7 @@ def xla_chunk_local(
     key: jax.Array,  # [B, n, L] int32: document index, -1 on padding
     prec,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # u [.., L, Dv], w [.., L, Dk], intra [.., L, L]
-    """The chunk-local part as batched XLA ops (`chunk_local_pallas.py` says the same as one kernel)."""
+    """The chunk-local part as batched XLA ops (`pallas_chunk_local.py` says the same as one kernel)."""
     Dv, L = v.shape[-1], key.shape[-1]
     causal = jnp.tril(jnp.ones((L, L), bool))
     pair_mask = ((key[..., :, None] == key[..., None, :]) & (key[..., :, None] >= 0) & causal)[:, :, None, None]

@@ -25,7 +25,7 @@ m, T_2m = T_m - T_m (A o C_m) T_m (C_m: the lower-left m x m corner of every dia
 40 products of [16, 16] tiles where doubling on the whole tile took 10 of [64, 64] (16x the
 arithmetic); u and w are formed from the lower blocks of T only. The inverse's products run in
 float32 (IEEE when interpreted, three TF32 passes on a GPU); the others at the rule's `prec`, as
-`chunk_states_pallas.tile_dot`.
+`pallas_chunk_states.tile_dot`.
 
 Backward, from du, dw, dintra (rhs_u = beta v, rhs_w = beta r k):
 

@@ -11,7 +11,7 @@ and, from the output's cotangent o = d out_c,
 Both directions run one program per (sequence, chunk, head), every chunk at once, the state's columns
 in blocks of `state_columns`; each reads its chunk's tiles and state once and keeps the products in
 registers. As batched XLA matmuls the same arithmetic wrote and read every [B, n, H, L, D] and
-[B, n, H, L, L] intermediate. Precision as `chunk_states_pallas.tile_dot` (under "bf16" w, q and intra,
+[B, n, H, L, L] intermediate. Precision as `pallas_chunk_states.tile_dot` (under "bf16" w, q and intra,
 which are only multiplied, are read as bfloat16, and may arrive so); off a GPU interpreted.
 The VJP that joins them with the state kernels is `chunk_states.pallas_chunk_states`.
 """

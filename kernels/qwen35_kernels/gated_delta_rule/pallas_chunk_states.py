@@ -23,7 +23,7 @@ dk_c = v_c G_c+1^T, dd_c = <S_c, G_c+1>; the initial state's gradient is G_0.
 Everything is float32 but that under "bf16" precision the keys and w may arrive as bfloat16 (they are
 only multiplied) and the states and their gradients are stored as bfloat16 (only multiplied after,
 but for dd; the final state and G_0 leave in float32 too); the matmuls run at `prec` (None: TF32 tensor cores on a GPU, HIGHEST: IEEE
-float32, "bf16": both operands rounded to bfloat16, the keys read as bfloat16; `gdn_matmul.py`).
+float32, "bf16": both operands rounded to bfloat16, the keys read as bfloat16; `matmul.py`).
 Off a GPU the kernel runs interpreted (tests).
 """
 
@@ -39,7 +39,7 @@ from jax.experimental.pallas import triton as plgpu
 from qwen35_kernels.choices import current_choices
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, bf16_operands, operand_dtype, round_to_bf16
 
-CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.gdn_remat)
+CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.apply_gdn_remat)
 # The chunk-gradient kernel holds dw and dk ([L, Dk] float32 each: 64 KiB at L = 64, Dk = 128) across
 # the column blocks: eight warps keep that at 64 registers a thread.
 GRADIENT_KERNEL_WARPS = 8
@@ -85,7 +85,7 @@ def _recurrence_kernel(p_ref, q_ref, b_ref, decay_ref, first_ref, add_ref, out_r
 
 def tile_dot(a: jax.Array, b: jax.Array, dims: tuple, prec: GdnPrecision, interpret: bool) -> jax.Array:
     """A float32 product of two tiles at `prec` (bf16: both rounded to bfloat16 first; interpreted, as
-    `gdn_matmul.gdn_einsum` does it on CPU)."""
+    `matmul.gdn_einsum` does it on CPU)."""
     if bf16_operands(prec) and interpret:
         a, b, prec = round_to_bf16(a), round_to_bf16(b), lax.Precision.HIGHEST
     elif bf16_operands(prec):

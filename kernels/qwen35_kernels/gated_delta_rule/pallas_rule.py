@@ -1,13 +1,13 @@
 """The chunked delta rule as Pallas kernels end to end, under one VJP.
 
-The chunk-local kernel (`chunk_local_pallas.py`) makes u, w, intra, q_read and k_write; the state and
-output kernels (`chunk_states_pallas.py`, `chunk_outputs_pallas.py`) carry the state over the chunks
+The chunk-local kernel (`pallas_chunk_local.py`) makes u, w, intra, q_read and k_write; the state and
+output kernels (`pallas_chunk_states.py`, `pallas_chunk_outputs.py`) carry the state over the chunks
 and make the outputs. Under one VJP what passes between them is private, so under bf16 precision
 the four arrays that the later kernels only multiply (w, intra, q_read, k_write) are written as
 bfloat16, the value each multiplication would round them to anyway: the same results as float32
 storage at half its bytes, and no conversion pass between the kernels. Their cotangents stay float32.
 u (it is added to, not only multiplied), T and every gradient stay float32; the stored states are
-bfloat16 too (`chunk_states_pallas.py`), the final state float32.
+bfloat16 too (`pallas_chunk_states.py`), the final state float32.
 
 Backward: the output kernel's backward, the reverse recurrence and chunk-gradient kernel, then the
 chunk-local backward kernel, each fed the float32 cotangents of the one before.
@@ -74,7 +74,7 @@ def pallas_chunked_rule(
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # out [B, n L, Hv, Dv] in out_dtype, final state [B, Hv, Dk, Dv] float32
     """The chunked delta rule from its per-chunk inputs (`delta_rule.chunked_gated_delta_rule` makes
-    them): `chunk_local_pallas.pallas_chunk_local` then `chunk_states.pallas_chunk_states`, as one VJP,
+    them): `pallas_chunk_local.pallas_chunk_local` then `chunk_states.pallas_chunk_states`, as one VJP,
     the output written token-major (the layer's own layout) and rounded to `out_dtype` by the output
     kernel (its cotangent read in that dtype). `interpret`: None runs the Triton kernels on a GPU and
     interprets them elsewhere; False builds them for Triton anywhere."""

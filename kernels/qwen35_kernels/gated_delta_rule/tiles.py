@@ -115,7 +115,7 @@ _tile_scan.defvjp(_tile_scan_forward, _tile_scan_backward)
 
 
 def delta_rule_tile(chunk_size: int) -> int | None:
-    """The delta rule's tile: `sequence_tile()` rounded down to whole chunks (None: untiled)."""
+    """The delta rule's tile: the kernel choices' `sequence_tile` rounded down to whole chunks (None: untiled)."""
     tile = current_sequence_tile()
     if tile is None:
         return None

@@ -93,7 +93,7 @@ def time_gdn_core(
 def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: int = 64,
                          precisions: list[str] | None = None) -> dict:
     """One row: the chunked rule's chunk-local part alone (u, w, intra and the decayed q and k of every
-    chunk from q, k, v, the decays and beta; `chunk_local_pallas.py`), forward+backward of
+    chunk from q, k, v, the decays and beta; `pallas_chunk_local.py`), forward+backward of
     sum(outputs * cotangents), as the Pallas kernels against the batched XLA ops, at B = 1, S = `seq`,
     `heads` key = value heads of `dim`, one document; once per precision (None: the backend's), each
     kernel's largest gradient error relative to the XLA form's at the same precision."""
