@@ -99,3 +99,16 @@ def test_a_tiled_rules_backward_runs_the_forwards_choices():
         scale = float(jnp.abs(want).max())
         assert float(jnp.abs(got - want).max()) <= 1e-6 * scale
         assert float(jnp.abs(other - want).max()) > 1e-4 * scale  # the choice shows in the gradient
+
+
+def test_with_config_switches_a_models_kernels_without_copying_its_parameters():
+    from flax import nnx
+
+    from qwen35_jax.model import Qwen35ForCausalLM, with_config
+
+    config = Qwen35Config.preset("tiny")
+    model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(0))
+    switched = with_config(model, config.replace(kernels=KernelChoices(attention="pallas")))
+    assert switched.config.kernels.attention == "pallas" and model.config.kernels.attention == "auto"
+    assert switched.blocks.layers[0].linear_attn.config.kernels.attention == "pallas"  # every module's config
+    assert switched.embed_tokens.embedding[...] is model.embed_tokens.embedding[...]
