@@ -143,3 +143,24 @@ def test_bad_shapes_are_one_line_errors():
         fused_recurrent_gated_delta_rule(*(x[n] for n in NAMES[:5]), initial_state=x["initial_state"][:1])
     with pytest.raises(ValueError, match=r"q must be \[B, T, H, Dk\]"):
         chunk_gated_delta_rule(x["q"][0], x["k"], x["v"], x["g"], x["beta"])
+
+
+def test_prefill_hands_its_state_to_the_per_token_step():
+    # What generation does: the chunked rule over a prompt of 21 tokens returns its final state, and
+    # the per-token rule continues from it one token at a time (T = 1); together they are the whole
+    # sequence's recurrence, against float64.
+    x = problem(5)
+    zeros_o, zeros_s = np.zeros((B, T, HV, DV)), np.zeros((B, HV, DK, DV))
+    o_ref, s_ref, _ = float64_truth(x, zeros_o, zeros_s)
+    arrays = {n: jnp.asarray(a) for n, a in x.items()}
+    head = {n: a[:, :21] for n, a in arrays.items() if n != "initial_state"}
+    rule, kwargs = RULES["chunk sequential"]
+    o, state = rule(*(head[n] for n in NAMES[:5]), initial_state=arrays["initial_state"], output_final_state=True,
+                    use_qk_l2norm_in_kernel=True, **kwargs)
+    outs = [o]
+    for t in range(21, T):
+        o, state = fused_recurrent_gated_delta_rule(*(arrays[n][:, t: t + 1] for n in NAMES[:5]), initial_state=state,
+                                                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+        outs.append(o)
+    assert_close(np.concatenate(outs, axis=1), o_ref, "o")
+    assert_close(np.asarray(state), s_ref, "final state")

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from qwen35_kernels.gdn_inputs.stored_cotangent import materialized, stored_cotangent
-from qwen35_kernels.gdn_inputs.xla import causal_conv1d_silu
+from qwen35_kernels.gdn_inputs.xla import causal_conv1d_silu, causal_conv1d_update
 from qwen35_kernels.choices import kernel_choices
 
 from qwen35_jax.layers.gdn_arrays import GdnWeights
@@ -30,6 +30,31 @@ def test_causal_conv_matches_a_loop_over_taps_and_stops_at_documents():
     want = want / (1 + np.exp(-want))  # SiLU
     got = causal_conv1d_silu(jnp.asarray(x), jnp.asarray(w), jnp.asarray(doc))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("prefix", [2, 5])  # shorter and longer than the conv state (Kc - 1 = 3)
+def test_conv_update_continues_the_sequence(prefix):
+    # Prefill `prefix` tokens with the whole-sequence conv, hand its last Kc - 1 raw inputs on as the
+    # conv state (zeros before the sequence), then 3 tokens at once and the rest one at a time: the
+    # outputs are the whole sequence's conv, against float64 (a sum of 4 products of O(1): ~1e-7).
+    rng = np.random.default_rng(1)
+    B, S, H, D, Kc = 2, 11, 3, 4, 4
+    x = rng.normal(size=(B, S, H, D)).astype(np.float32)
+    w = rng.normal(size=(Kc, H, D)).astype(np.float32)
+    padded = np.concatenate([np.zeros((B, Kc - 1, H, D)), x.astype(np.float64)], axis=1)
+    want = sum(padded[:, Kc - 1 - s: Kc - 1 - s + S] * w[Kc - 1 - s] for s in range(Kc))
+    want = want / (1 + np.exp(-want))  # SiLU
+    outs = [causal_conv1d_silu(jnp.asarray(x[:, :prefix]), jnp.asarray(w), None)]
+    state = jnp.asarray(padded[:, prefix: prefix + Kc - 1].astype(np.float32))
+    t = prefix
+    for n in [3] + [1] * (S - prefix - 3):
+        y, state = causal_conv1d_update(jnp.asarray(x[:, t: t + n]), state, jnp.asarray(w))
+        outs.append(y)
+        t += n
+    np.testing.assert_allclose(np.concatenate(outs, axis=1), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(state, x[:, S - (Kc - 1):])
+    with pytest.raises(ValueError, match=r"conv_state must be \[B, Kc - 1, H, D\]"):
+        causal_conv1d_update(jnp.asarray(x[:, :1]), state[:, :2], jnp.asarray(w))
 
 
 def _shifted_taps(y: jax.Array) -> jax.Array:  # [S, C] -> [S, C]: four shifted reads, like a conv's backward

@@ -11,7 +11,7 @@
 from .attention import attention_core
 from .choices import KernelChoices, current_choices, kernel_choices
 from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from .gdn_inputs import causal_conv1d_silu, l2_normalize
+from .gdn_inputs import causal_conv1d_silu, causal_conv1d_update, l2_normalize
 from .logprob_entropy import (
     BACKENDS,
     MODES,
@@ -26,6 +26,7 @@ __all__ = [
     "KernelChoices",
     "attention_core",
     "causal_conv1d_silu",
+    "causal_conv1d_update",
     "chunk_gated_delta_rule",
     "current_choices",
     "fused_recurrent_gated_delta_rule",

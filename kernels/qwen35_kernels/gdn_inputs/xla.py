@@ -1,5 +1,6 @@
 """The gated DeltaNet's input ops in XLA: the depthwise causal conv1d + SiLU whose window stops at
-document starts, and the L2 norm (`pallas.py` fuses both into one GPU kernel)."""
+document starts, its continuation from a conv state (decoding), and the L2 norm (`pallas.py` fuses
+the conv and the norm into one GPU kernel)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,24 @@ def _conv1d_silu(x: jax.Array, kernel: jax.Array, doc: jax.Array | None) -> jax.
         out = out + past * kf[Kc - 1 - shift]
     # The backward reads the pre-activation gradient once per tap: stored once (see stored_cotangent).
     return jax.nn.silu(stored_cotangent(out.astype(x.dtype)))
+
+
+def causal_conv1d_update(
+    x: jax.Array,  # [B, T, H, D] the next T raw inputs of one document per row
+    conv_state: jax.Array,  # [B, Kc - 1, H, D] the Kc - 1 raw inputs before them (zeros before a document)
+    kernel: jax.Array,  # [Kc, H, D]
+) -> tuple[jax.Array, jax.Array]:  # y [B, T, H, D] in x.dtype, the new conv state [B, Kc - 1, H, D]
+    """`causal_conv1d_silu` of T tokens that continue a sequence (transformers' `causal_conv1d_update`
+    with SiLU): the window reads `conv_state` before the first token. The new state is the last Kc - 1
+    inputs of [conv_state, x], so prefill hands decoding its last Kc - 1 raw inputs and every decode
+    step (T = 1) its own. Accumulates in float32, as the whole-sequence conv does."""
+    kc = kernel.shape[0]
+    if conv_state.shape != (x.shape[0], kc - 1, *x.shape[2:]):
+        raise ValueError(f"conv_state must be [B, Kc - 1, H, D] = {(x.shape[0], kc - 1, *x.shape[2:])}, "
+                         f"got {conv_state.shape}")
+    window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, Kc - 1 + T, H, D]
+    y = _conv1d_silu(window, kernel, None)[:, kc - 1:]  # the zeros it pads before the window are never read
+    return y, window[:, window.shape[1] - (kc - 1):]
 
 
 def l2_normalize(x: jax.Array, eps: float = L2_EPS) -> jax.Array:  # [..., d] -> [..., d] float32
