@@ -13,7 +13,7 @@
 #      xla forward+backward, as rates of 8 T D V FLOPs (forward 2, backward recompute 2 + dh 2 + dW 2),
 #      with compile-time scratch memory;
 #   3. attention (kernels/qwen35_kernels/attention/pallas.py): the Pallas Triton flash kernel with document
-#      masks and cuDNN's (attention_cudnn.py; with max_segments=2 too, which sends the row to its
+#      masks and cuDNN's (attention/cudnn.py; with max_segments=2 too, which sends the row to its
 #      Triton fallback) against the XLA core at S = 4096, 8 query / 2 kv heads, Dh = 256, bf16 (errors
 #      against a float32 reference, forward and forward+backward time, scratch memory, a few block sizes);
 #   4. a sweep of Triton block sizes of the log-prob kernel, while time is left;
