@@ -11,8 +11,8 @@ blocks. `resolve(platform)` replaces every "auto" by what that platform ("cpu", 
 | gdn_precision | highest | default (TF32 for float32) | default |
 | gdn_remat | none | states (with the pallas scan) | none |
 
-The model carries a `KernelChoices` in its config and hands the resolved value to the kernels it
-traces (`traced`); a kernel reads it with `current_choices()`. The platform is the value's own
+A model's config carries a `KernelChoices`; the train, eval and score steps trace under it, backward
+included (`traced`), and a kernel reads the resolved value with `current_choices()`. The platform is the value's own
 (`platform=`) when set, so a tool can trace the program of a GPU or TPU that is not there by naming
 it; otherwise the backend jax runs on. Outside any `traced` block the kernels see the defaults
 resolved for that backend.
