@@ -12,9 +12,9 @@ blocks. `resolve(platform)` replaces every "auto" by what that platform ("cpu", 
 | gdn_remat | none | states (with the pallas scan) | none |
 
 A model's config carries a `KernelChoices`; the train, eval and score steps trace under it, backward
-included (`traced`), and a kernel reads the resolved value with `current_choices()`. The platform is the value's own
-(`platform=`) when set, so a tool can trace the program of a GPU or TPU that is not there by naming
-it; otherwise the backend jax runs on. Outside any `traced` block the kernels see the defaults
+included (`traced`), and a kernel reads the resolved value with `current_choices()`. The platform is
+the value's own (`platform=`) when set, so a tool can trace the program of a GPU or TPU that is not
+there by naming it; otherwise the backend jax runs on. Outside any `traced` block the kernels see the defaults
 resolved for that backend.
 """
 
@@ -25,8 +25,6 @@ import contextvars
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
-
-import jax
 
 PLATFORMS = ("cpu", "gpu", "tpu")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "cudnn")
@@ -74,7 +72,11 @@ class KernelChoices:
     def resolve(self, platform: str | None = None) -> KernelChoices:
         """Every "auto" replaced for the value's own platform, else `platform`, else jax's backend;
         a one-line ValueError for a choice that platform cannot run (cuDNN off a GPU)."""
-        platform = self.platform or platform or jax.default_backend()
+        if not (self.platform or platform):
+            import jax  # here, not at the top: a config that holds these choices loads without jax
+
+            platform = jax.default_backend()
+        platform = self.platform or platform
         attention = self.attention
         if attention == "cudnn" and platform != "gpu":
             raise ValueError(f"attention implementation 'cudnn' needs a CUDA GPU, this backend is {platform}")
@@ -124,10 +126,21 @@ def requested_choices() -> KernelChoices:
     return KernelChoices() if active is None else active[0]
 
 
+def _requested_with(changes: dict[str, Any]) -> KernelChoices:
+    """The enclosing block's choices as requested, with `changes` (field=value) made; a scan named
+    explicitly has no fallback of its own (resolving "auto" gives it one)."""
+    if "gdn_chunk_scan" in changes:
+        changes = {"gdn_chunk_scan_fallback": None, **changes}
+    return requested_choices().replace(**changes)
+
+
+def choices_with(**changes: Any) -> KernelChoices:
+    """The choices in force with `changes` made, resolved for the platform in force unless `changes`
+    names one: what a kernel runs when its caller names one choice (a `precision=` argument)."""
+    return _requested_with(changes).resolve(current_choices().platform)
+
+
 def kernel_choices(**changes: Any) -> contextlib.AbstractContextManager[KernelChoices]:
     """`traced` for the enclosing block's choices (as requested) with `changes` (field=value) made: a
     test or benchmark switches one choice without restating the others."""
-    requested = requested_choices()
-    if "gdn_chunk_scan" in changes:
-        changes = {"gdn_chunk_scan_fallback": None, **changes}
-    return requested.replace(**changes).traced()
+    return _requested_with(changes).traced()

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.choices import ATTENTION_IMPLEMENTATIONS, KernelChoices, current_choices
+from qwen35_kernels.choices import ATTENTION_IMPLEMENTATIONS, choices_with, current_choices
 from qwen35_kernels.logprob_entropy.tiles import half_operand_precision
 
 IMPLEMENTATIONS = ATTENTION_IMPLEMENTATIONS
@@ -43,12 +43,10 @@ def check_implementation(name: str) -> None:
 def resolve_implementation(name: str | None = None, platform: str | None = None) -> str:
     """"xla", "pallas_gpu", "pallas_tpu" or "cudnn" for `name` (None: the kernel choices') on `platform`
     (None: the kernel choices'); a one-line ValueError for "cudnn" off a GPU."""
-    active = current_choices()
-    if name is None and platform is None:
-        return active.attention
-    check_implementation(name or "auto")
-    choices = KernelChoices(attention=name or active.attention, platform=platform or active.platform)
-    return choices.resolve().attention
+    if name is not None:
+        check_implementation(name)
+    changes = {key: value for key, value in (("attention", name), ("platform", platform)) if value is not None}
+    return (choices_with(**changes) if changes else current_choices()).attention
 
 
 def check_attention_inputs(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> None:

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from qwen35_kernels.choices import KernelChoices, current_choices
+from qwen35_kernels.choices import choices_with, current_choices
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, bf16_operands, gdn_einsum
 from qwen35_kernels.gated_delta_rule.pallas_chunk_outputs import chunk_outputs, chunk_outputs_backward
 from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
@@ -92,8 +92,7 @@ def chunk_scan_for(name: str | None, dk: int, dv: int, chunk: int) -> str:
     """The scan to run for these head and chunk sizes: `name` (None: the kernel choices' scan; "auto"
     resolved for their platform), except that where the Triton kernel cannot take the sizes (on GPU)
     the fallback of "auto" runs ("associative") and an explicit "pallas" is a one-line error."""
-    active = current_choices()
-    choices = active if name is None else KernelChoices(gdn_chunk_scan=name, platform=active.platform).resolve()
+    choices = current_choices() if name is None else choices_with(gdn_chunk_scan=name)
     scan = choices.gdn_chunk_scan
     if scan != "pallas" or choices.platform != "gpu" or kernel_fits(dk, dv, chunk):
         return scan

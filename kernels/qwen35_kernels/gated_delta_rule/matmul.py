@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.choices import GDN_PRECISIONS, KernelChoices, current_choices
+from qwen35_kernels.choices import choices_with, current_choices
 
 BF16_OPERANDS = "bf16"  # the resolved value of "bf16" (the others resolve to a jax.lax.Precision or None)
 GdnPrecision = jax.lax.Precision | str | None
@@ -21,19 +21,10 @@ _PRECISION_OF = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision
                  "bf16": BF16_OPERANDS}
 
 
-def check_gdn_precision(name: str) -> None:
-    """One-line ValueError unless `name` is one of GDN_PRECISIONS."""
-    if name not in GDN_PRECISIONS:
-        raise ValueError(f"GDN matmul precision must be one of {GDN_PRECISIONS}, got {name!r}")
-
-
 def resolve_gdn_precision(name: str | None = None) -> GdnPrecision:
     """What `gdn_einsum` takes for `name` (None: the kernel choices'; "auto" resolved for their platform)."""
-    active = current_choices()
-    if name is not None:
-        check_gdn_precision(name)
-        active = KernelChoices(gdn_precision=name, platform=active.platform).resolve()
-    return _PRECISION_OF[active.gdn_precision]
+    choices = current_choices() if name is None else choices_with(gdn_precision=name)
+    return _PRECISION_OF[choices.gdn_precision]
 
 
 def bf16_operands(prec: GdnPrecision) -> bool:
