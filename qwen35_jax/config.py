@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from qwen35_kernels.choices import GDN_PRECISIONS, KernelChoices  # noqa: F401 (GDN_PRECISIONS: a flag's choices)
+from qwen35_kernels.choices import KernelChoices
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 DTYPES = ("float32", "bfloat16", "float16")

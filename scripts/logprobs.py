@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+from qwen35_kernels.choices import GDN_PRECISIONS
 
-from qwen35_jax.config import GDN_PRECISIONS
 from qwen35_jax.train.options import CHOICES
 
 

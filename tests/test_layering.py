@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "qwen35_jax"
@@ -38,3 +40,12 @@ def test_library_imports_no_torch_and_no_pallas():
 def test_layers_import_no_runtime():
     runtime = ("qwen35_jax.model", "qwen35_jax.train", "qwen35_jax.data", "qwen35_jax.hf", "qwen35_jax.scoring")
     assert offenders(LIBRARY / "layers", runtime) == []
+
+
+def test_the_options_and_the_config_load_without_jax():
+    # scripts/train.py parses its options and installs its signal handler before jax loads; the
+    # config holds KernelChoices, so qwen35_kernels.choices must not load jax or the kernels either
+    code = ("import sys, qwen35_jax.train.options, qwen35_jax.config; "
+            "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.split() == ["[]"], out.stdout

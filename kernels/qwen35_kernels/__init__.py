@@ -6,33 +6,28 @@
 - `attention`: causal, document-masked attention (XLA, Pallas flash on GPU/TPU, cuDNN).
 - `gdn_inputs`: causal conv1d + SiLU within documents, L2 norm.
 - `choices`: `KernelChoices`, which kernel runs each op, "auto" resolved per platform.
+
+Names load on first use: `import qwen35_kernels.choices` (a model config's field) loads neither jax nor
+the kernels, so a command line parses its options before jax loads.
 """
 
-from .attention import attention_core
-from .choices import KernelChoices, current_choices, kernel_choices
-from .gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from .gdn_inputs import causal_conv1d_silu, causal_conv1d_update, l2_normalize
-from .logprob_entropy import (
-    BACKENDS,
-    MODES,
-    linear_logprob_entropy,
-    sharded_linear_logprob_entropy,
-    token_stats,
-)
+from __future__ import annotations
 
-__all__ = [
-    "BACKENDS",
-    "MODES",
-    "KernelChoices",
-    "attention_core",
-    "causal_conv1d_silu",
-    "causal_conv1d_update",
-    "chunk_gated_delta_rule",
-    "current_choices",
-    "fused_recurrent_gated_delta_rule",
-    "kernel_choices",
-    "l2_normalize",
-    "linear_logprob_entropy",
-    "sharded_linear_logprob_entropy",
-    "token_stats",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "attention_core": "attention",
+    "KernelChoices": "choices", "current_choices": "choices", "kernel_choices": "choices",
+    "chunk_gated_delta_rule": "gated_delta_rule", "fused_recurrent_gated_delta_rule": "gated_delta_rule",
+    "causal_conv1d_silu": "gdn_inputs", "causal_conv1d_update": "gdn_inputs", "l2_normalize": "gdn_inputs",
+    **{name: "logprob_entropy" for name in ("BACKENDS", "MODES", "linear_logprob_entropy",
+                                            "sharded_linear_logprob_entropy", "token_stats")},
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'qwen35_kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"qwen35_kernels.{_EXPORTS[name]}"), name)

@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
+from qwen35_kernels.choices import GDN_PRECISIONS
 
-from qwen35_jax.config import GDN_PRECISIONS, REMAT_POLICIES, SCAN_LAYERS_FLAGS
+from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS
 
 CHOICES = {
     "objective": ("sft", "ppo"),
