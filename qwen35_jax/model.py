@@ -14,6 +14,7 @@ from qwen35_kernels.choices import current_choices
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import Attention
+from qwen35_jax.layers.cache import AttentionCache, GdnCache
 from qwen35_jax.layers.gated_deltanet import GatedDeltaNet
 from qwen35_jax.layers.mlp import MLP
 from qwen35_jax.layers.moe import SparseMoeBlock
@@ -49,7 +50,35 @@ class DecoderLayer(nnx.Module):
             h = self.linear_attn(h, segment_ids)
         else:
             h = self.self_attn(h, cos, sin, segment_ids)
-        x = constrain(x + h, ACT_BSD)
+        return self.feed_forward_residual(constrain(x + h, ACT_BSD))
+
+    def prefill(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array, lengths: jax.Array
+                ) -> tuple[jax.Array, AttentionCache | GdnCache]:
+        """The layer on right-padded prompts (x [B, S, D], lengths [B]) -> [B, S, D] and its cache: K and
+        V of every position [B, S, K, Dh], or the GDN conv window and state after each prompt."""
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            h, cache = self.linear_attn.prefill(h, segment_ids, lengths)
+        else:
+            h, k, v = self.self_attn.prefill(h, cos, sin, segment_ids)
+            cache = AttentionCache(k=k, v=v)
+        return self.feed_forward_residual(constrain(x + h, ACT_BSD)), cache
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: AttentionCache | GdnCache,
+               positions: jax.Array) -> tuple[jax.Array, AttentionCache | GdnCache]:
+        """One new token per row at `positions` [B]: x [B, 1, D], cos/sin [B, 1, R] -> [B, 1, D], cache.
+        Rows are whole on a device (no sequence axis to split): plain calls, no shard_map."""
+        h = self.input_layernorm(x)
+        if self.kind == "linear_attention":
+            h, cache = self.linear_attn.decode(h, cache)
+        else:
+            h, cache = self.self_attn.decode(h, cos, sin, cache, positions)
+        x = x + h
+        mlp = self.mlp.route_and_mix if isinstance(self.mlp, SparseMoeBlock) else self.mlp
+        return x + mlp(self.post_attention_layernorm(x)), cache
+
+    def feed_forward_residual(self, x: jax.Array) -> jax.Array:
+        """x + mlp(post_attention_layernorm(x)) on sequence shards. [B, S, D] -> [B, S, D]"""
         if isinstance(self.mlp, SparseMoeBlock):  # tiles its own tokens inside token_local
             return constrain(x + token_local(self.mlp, self.post_attention_layernorm(x)), ACT_BSD)
         return constrain(tiled_over_sequence(DecoderLayer.feed_forward, self, x, recompute=self.recompute_mlp),
@@ -96,6 +125,24 @@ class Block(nnx.Module):
             else:
                 x = layer(x, cos, sin, segment_ids)
         return x
+
+    def prefill(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array, lengths: jax.Array
+                ) -> tuple[jax.Array, tuple[AttentionCache | GdnCache, ...]]:
+        """`DecoderLayer.prefill` layer by layer: [B, S, D] -> [B, S, D] and one cache per layer."""
+        caches = []
+        for layer in self.layers:
+            x, cache = layer.prefill(x, cos, sin, segment_ids, lengths)
+            caches.append(cache)
+        return x, tuple(caches)
+
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, caches: tuple[AttentionCache | GdnCache, ...],
+               positions: jax.Array) -> tuple[jax.Array, tuple[AttentionCache | GdnCache, ...]]:
+        """`DecoderLayer.decode` layer by layer: [B, 1, D] -> [B, 1, D] and the updated caches."""
+        updated = []
+        for layer, cache in zip(self.layers, caches):
+            x, cache = layer.decode(x, cos, sin, cache, positions)
+            updated.append(cache)
+        return x, tuple(updated)
 
 
 EMBED_SCOPE = "embed_lookup"

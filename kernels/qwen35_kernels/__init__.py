@@ -3,7 +3,8 @@
 - `logprob_entropy`: fused linear -> log-softmax -> label log-prob and entropy, no [T, V] logits.
 - `gated_delta_rule`: `chunk_gated_delta_rule` / `fused_recurrent_gated_delta_rule` in FLA's call
   convention (Pallas Triton kernels on GPU, XLA elsewhere).
-- `attention`: causal, document-masked attention (XLA, Pallas flash on GPU/TPU, cuDNN).
+- `attention`: causal, document-masked attention (XLA, Pallas flash on GPU/TPU, cuDNN) and the decode
+  step's attention against a key/value cache.
 - `gdn_inputs`: causal conv1d + SiLU within documents, L2 norm.
 - `choices`: `KernelChoices`, which kernel runs each op, "auto" resolved per platform.
 
@@ -17,7 +18,7 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "attention_core": "attention",
+    "attention_core": "attention", "decode_attention": "attention",
     "KernelChoices": "choices", "current_choices": "choices", "kernel_choices": "choices",
     "chunk_gated_delta_rule": "gated_delta_rule", "fused_recurrent_gated_delta_rule": "gated_delta_rule",
     "causal_conv1d_silu": "gdn_inputs", "causal_conv1d_update": "gdn_inputs", "l2_normalize": "gdn_inputs",

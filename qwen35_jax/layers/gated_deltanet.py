@@ -18,7 +18,9 @@ from qwen35_kernels.choices import current_choices
 from qwen35_kernels.gated_delta_rule.tiles import delta_rule_tile
 
 from qwen35_jax.config import GDN_SP_MODES, Qwen35Config
+from qwen35_jax.layers.cache import GdnCache
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights, check_gdn_arrays, conv_halo
+from qwen35_jax.layers.gdn_decode import gdn_decode_step, prompt_conv_window
 from qwen35_jax.layers.gdn_segment import gdn_segment
 from qwen35_jax.layers.gdn_state_passing import gdn_state_passing
 from qwen35_jax.layers.gdn_tiling import tiled_gdn_core
@@ -35,12 +37,14 @@ def gdn_core(
     *,
     eps: float,
     chunk_size: int,
-) -> jax.Array:  # [B, S, Hv, Dv] in q.dtype
+    return_state: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] in q.dtype (and the final state)
     """Per-head Gated DeltaNet mixer: conv1d + SiLU, L2-norm, gated delta rule, gated RMSNorm.
 
     The conv window and the recurrent state restart at every document start; padding tokens are
     zeroed before the conv, leave the state untouched and output zeros. Sequences longer than the
     delta rule's tile (the kernel choices' `sequence_tile`) run tile by tile (`gdn_tiling.tiled_gdn_core`).
+    `return_state`: also the delta-rule state after the last token, [B, Hv, Dk, Dv] float32.
     """
     check_gdn_arrays(tokens, weights, "gdn_core")
     B, S = tokens.q.shape[:2]
@@ -49,9 +53,10 @@ def gdn_core(
         if segment_ids is None:
             segment_ids = jnp.ones((B, S), jnp.int32)
         segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size)
-        return tiled_gdn_core(segment, tokens, weights, segment_ids, tile=tile, halo=conv_halo(weights))
-    out, _ = gdn_segment(tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size)
-    return out
+        return tiled_gdn_core(segment, tokens, weights, segment_ids, tile=tile, halo=conv_halo(weights),
+                              return_state=return_state)
+    out, state = gdn_segment(tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size)
+    return (out, state) if return_state else out
 
 
 def sharded_gdn_core(
@@ -62,17 +67,20 @@ def sharded_gdn_core(
     eps: float,
     chunk_size: int,
     sp_mode: str = "all_to_all",
-) -> jax.Array:  # [B, S/sp, Hv, Dv]
+    return_state: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, S/sp, Hv, Dv] (and the final state [B, Hv, Dk, Dv])
     """`gdn_core` under the context mesh's sequence parallelism: the seq <-> heads all-to-all around
     it (`ulysses_gdn`, sp_mode "all_to_all") or states passed between sequence shards
     (`gdn_state_passing`, "state_passing"). Without a multi-device mesh `gdn_core` itself; at sp = 1
-    on one, `gdn_core` on each device's rows."""
+    on one, `gdn_core` on each device's rows. `return_state` (prefill) always takes the all-to-all,
+    where each device ends holding the final state of its own heads."""
     if sp_mode not in GDN_SP_MODES:
         raise ValueError(f"GDN sequence-parallel mode {sp_mode!r} is not one of {GDN_SP_MODES}")
     mesh = active_sp_mesh()
-    if mesh is not None and sp_mode == "state_passing":
+    if mesh is not None and sp_mode == "state_passing" and not return_state:
         return gdn_state_passing(tokens, weights, segment_ids, mesh=mesh, eps=eps, chunk_size=chunk_size)
-    return ulysses_gdn(gdn_core, tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size)
+    return ulysses_gdn(gdn_core, tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size,
+                       return_state=return_state)
 
 
 class DepthwiseConvKernel(nnx.Module):
@@ -110,35 +118,59 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(self.Dv, eps=config.rms_norm_eps, param_dtype=config.param_dtype)
         self.out_proj = Linear(value_dim, D, **lin)
 
-    def __call__(
-        self,
-        x: jax.Array,  # [B, S, D]
-        segment_ids: jax.Array | None = None,  # [B, S] document ids >= 1, 0 = padding
-    ) -> jax.Array:  # [B, S, D]
+    def mixer_arrays(self, x: jax.Array) -> tuple[GdnTokens, GdnWeights]:
+        """x [B, S, D] -> the raw per-head projections [B, S, ...] and the mixer's weights."""
         B, S, _ = x.shape
         Hk, Hv, Dk, Dv = self.Hk, self.Hv, self.Dk, self.Dv
-        if segment_ids is None:
-            segment_ids = jnp.ones((B, S), jnp.int32)
-        elif segment_ids.shape != (B, S):
-            raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {segment_ids.shape}")
         x = x.astype(jnp.dtype(self.config.dtype))
-
         q, k, v = self.in_proj_qkv.parts(x, (Hk * Dk, Hk * Dk, Hv * Dv))  # [B, S, .] each
         tokens = GdnTokens(q=q.reshape(B, S, Hk, Dk), k=k.reshape(B, S, Hk, Dk), v=v.reshape(B, S, Hv, Dv),
                            z=self.in_proj_z(x).reshape(B, S, Hv, Dv),
                            b=self.in_proj_b(x), a=self.in_proj_a(x))  # b, a: [B, S, Hv]
-
         w = self.conv1d.kernel[...]  # [Kc, C], channels q, k, v
         Kc = w.shape[0]
         weights = GdnWeights(conv_q=w[:, : Hk * Dk].reshape(Kc, Hk, Dk),
                              conv_k=w[:, Hk * Dk : 2 * Hk * Dk].reshape(Kc, Hk, Dk),
                              conv_v=w[:, 2 * Hk * Dk :].reshape(Kc, Hv, Dv),
                              A_log=self.A_log[...], dt_bias=self.dt_bias[...], norm_weight=self.norm.weight[...])
+        return tokens, weights
 
-        chunk_size = self.config.gdn_chunk(current_choices().platform)
-        out = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps, chunk_size=chunk_size,
+    def __call__(
+        self,
+        x: jax.Array,  # [B, S, D]
+        segment_ids: jax.Array | None = None,  # [B, S] document ids >= 1, 0 = padding
+    ) -> jax.Array:  # [B, S, D]
+        B, S, _ = x.shape
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, S), jnp.int32)
+        elif segment_ids.shape != (B, S):
+            raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {segment_ids.shape}")
+        tokens, weights = self.mixer_arrays(x)
+        out = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps,
+                               chunk_size=self.config.gdn_chunk(current_choices().platform),
                                sp_mode=self.config.gdn_sp_mode)  # [B, S, Hv, Dv]
-        return self.out_proj(out.reshape(B, S, Hv * Dv))
+        return self.out_proj(out.reshape(B, S, self.Hv * self.Dv))
+
+    def prefill(
+        self,
+        x: jax.Array,  # [B, S, D] right-padded prompts
+        segment_ids: jax.Array,  # [B, S] 1 on each row's prompt, 0 on its padding
+        lengths: jax.Array,  # [B] int prompt lengths
+    ) -> tuple[jax.Array, GdnCache]:  # [B, S, D] and each row's cache after its prompt
+        """The layer on whole prompts (the chunked kernels), and the conv window and state they leave."""
+        B, S, _ = x.shape
+        tokens, weights = self.mixer_arrays(x)
+        out, state = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps,
+                                      chunk_size=self.config.gdn_chunk(current_choices().platform),
+                                      return_state=True)
+        cache = GdnCache(conv=prompt_conv_window(tokens, weights, lengths), state=state)
+        return self.out_proj(out.reshape(B, S, self.Hv * self.Dv)), cache
+
+    def decode(self, x: jax.Array, cache: GdnCache) -> tuple[jax.Array, GdnCache]:
+        """One new token per row: x [B, 1, D] -> out [B, 1, D] and the cache after it."""
+        tokens, weights = self.mixer_arrays(x)
+        out, cache = gdn_decode_step(tokens, weights, cache, eps=self.config.rms_norm_eps)  # [B, 1, Hv, Dv]
+        return self.out_proj(out.reshape(x.shape[0], 1, self.Hv * self.Dv)), cache
 
 
 def ulysses_gdn(
@@ -146,10 +178,14 @@ def ulysses_gdn(
     tokens: GdnTokens,  # [B, S/sp, ...] each: this device's sequence shard of the raw projections
     weights: GdnWeights,
     segment_ids: jax.Array,  # [B, S/sp]
+    return_state: bool = False,
     **static: object,  # eps, chunk_size
-) -> jax.Array:  # [B, S/sp, Hv, Dv]
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, S/sp, Hv, Dv] (and the final state [B, Hv, Dk, Dv])
     """The gated DeltaNet core `core(tokens, weights, segment_ids, **static)` sequence-parallel over
-    value heads (key heads follow, replicated)."""
+    value heads (key heads follow, replicated). `return_state`: the core also returns its final
+    state, which comes back sharded over sp on its value heads."""
+    if return_state:
+        static = {**static, "return_state": True}
     call = functools.partial(core, **static)
     mesh = auto_mesh()
     if mesh is None:
@@ -168,4 +204,5 @@ def ulysses_gdn(
         Arg("seq"),
     )
     with jax.named_scope(GDN_SCOPE):
-        return ulysses_call(call, (tokens, weights, segment_ids), kinds, mesh)
+        return ulysses_call(call, (tokens, weights, segment_ids), kinds, mesh,
+                            extra_head_axes=(1,) if return_state else ())

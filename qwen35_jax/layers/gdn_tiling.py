@@ -42,10 +42,11 @@ def tiled_gdn_core(
     halo: int,  # Kc - 1 tokens; at most `tile`
     first_halo: tuple[jax.Array, ...] | None = None,  # raw q, k, v [B, halo, H, d] and ids [B, halo] before S
     initial_state: jax.Array | None = None,  # [B, Hv, Dk, Dv] float32 entering the first tile
-) -> jax.Array:  # [B, S, Hv, Dv]
+    return_state: bool = False,
+) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] (and the final state [B, Hv, Dk, Dv])
     """`segment` tile by tile. Without `first_halo` and `initial_state` the sequence starts at its
     first token (zeros and padding before it, a zero state); with them it continues a sequence that
-    began on another device (GDN state passing)."""
+    began on another device (GDN state passing). `return_state`: also the state after the last tile."""
     B, S, _, Dk = tokens.q.shape
     Hv, Dv = tokens.v.shape[2:]
     if not 0 <= halo <= tile:
@@ -58,8 +59,8 @@ def tiled_gdn_core(
         return segment(GdnTokens(*xs[:6]), ws, st, halo=(*xs[6:], hs), initial_state=state)
 
     state0 = jnp.zeros((B, Hv, Dk, Dv), jnp.float32) if initial_state is None else initial_state
-    out, _ = tile_scan(one, state0, tiles, weights, ids, document_starts_tile(ids[0]))
-    return unstack_tiles(out, S)
+    out, final = tile_scan(one, state0, tiles, weights, ids, document_starts_tile(ids[0]))
+    return (unstack_tiles(out, S), final) if return_state else unstack_tiles(out, S)
 
 
 def tiled_inputs(

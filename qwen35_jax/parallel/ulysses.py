@@ -116,10 +116,12 @@ def ulysses_call(
     mesh: jax.sharding.AbstractMesh | jax.sharding.Mesh,
     *,
     out_head_axis: int = 2,
-) -> jax.Array:
+    extra_head_axes: tuple[int, ...] = (),
+) -> jax.Array | tuple[jax.Array, ...]:
     """Run `core(*args)` with sequence shards turned into head shards; returns [B, S/sp, H, ...].
     `args` may hold pytrees (the GDN mixer's NamedTuples): `kinds` then has the same structure, one
-    `Arg` per array."""
+    `Arg` per array. With `extra_head_axes`, `core` returns (out, *extras): per-head arrays without a
+    sequence axis (a final recurrent state [B, H/sp, ...]), returned head-sharded over sp on those axes."""
     structure = jax.tree.structure(tuple(args))
     kinds = structure.flatten_up_to(tuple(kinds))
     args = structure.flatten_up_to(tuple(args))
@@ -137,8 +139,10 @@ def ulysses_call(
         prepared.append(x)
     in_specs = tuple(_spec(k, x.ndim, batch) for x, k in zip(prepared, kinds))
     out_spec = P(batch, SP, *([None] * (first.ndim - 2)))
+    if extra_head_axes:
+        out_spec = (out_spec, *(P(batch, *([None] * (axis - 1)), SP) for axis in extra_head_axes))
 
-    def local(*xs: jax.Array) -> jax.Array:
+    def local(*xs: jax.Array) -> jax.Array | tuple[jax.Array, ...]:
         if sp == 1:  # a batch shard of whole sequences with every head: nothing to exchange
             return core(*structure.unflatten(xs))
         inner = []
@@ -151,6 +155,9 @@ def ulysses_call(
                 x = _local_heads(x, k, sp)
             inner.append(x)
         out = core(*structure.unflatten(inner))  # [B, S, H/sp, d]
+        if extra_head_axes:
+            out, *extras = out
+            return (jax.lax.all_to_all(out, SP, split_axis=1, concat_axis=out_head_axis, tiled=True), *extras)
         return jax.lax.all_to_all(out, SP, split_axis=1, concat_axis=out_head_axis, tiled=True)
 
     # check_vma=False: the mixers are written for one device (e.g. scan carries start as plain zeros);

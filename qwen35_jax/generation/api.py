@@ -1,0 +1,177 @@
+"""`generate`: completions of token-id prompts from a model's own (sharded) weights.
+
+Rows (prompt x sample) go in batches, longest first; each batch is padded to the mesh (rows to a
+multiple of fsdp * sp, prompt length to a multiple of 16 * sp, padding rows never sampled) and run
+as one prefill and one decode loop (`programs.py`). Results come back in input order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+from tqdm import tqdm
+
+from qwen35_jax.generation.cache import describe_cache
+from qwen35_jax.generation.forward import ROWS
+from qwen35_jax.generation.programs import programs
+from qwen35_jax.generation.sampling import SamplingOptions
+from qwen35_jax.parallel.mesh import SP, TOKENS_BS, mesh_axis_size
+from qwen35_jax.parallel.padding import padded_size
+
+PROMPT_MULTIPLE = 16  # prompt lengths are padded to a multiple of this (times sp): fewer compiled shapes
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    prompt_index: int  # position of the prompt in the input
+    sample: int  # 0 .. num_samples - 1
+    completion_ids: list[int]  # the new tokens, a stop token included
+    log_probs: list[float]  # log_softmax(logits / T)[token] of each (T = 1 when greedy)
+    finish_reason: str  # "stop" (a stop token) or "length" (max_new_tokens reached)
+
+
+@dataclasses.dataclass
+class GenerationStats:
+    """Totals over one `generate` call (or several, passed again)."""
+
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    cache: str = ""  # the last batch's cache size, in words
+
+    def summary(self) -> str:
+        def rate(n: int, s: float) -> str:
+            return f"{n / s:,.1f} tokens/s" if s > 0 else "n/a"
+
+        return (f"prefill {self.prompt_tokens:,} tokens in {self.prefill_seconds:.2f}s "
+                f"({rate(self.prompt_tokens, self.prefill_seconds)}), decode {self.generated_tokens:,} tokens in "
+                f"{self.decode_seconds:.2f}s ({rate(self.generated_tokens, self.decode_seconds)})")
+
+
+def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens: int,
+                  max_length: int | None) -> list[np.ndarray]:
+    """The prompts as int32 arrays; one-line ValueError naming the first bad row."""
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    arrays = []
+    for i, prompt in enumerate(prompts):
+        ids = np.asarray(prompt)
+        if ids.ndim != 1 or ids.size == 0:
+            raise ValueError(f"prompt {i}: must be a non-empty list of token ids")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"prompt {i}: token ids must be integers, got {ids.dtype}")
+        bad = ids[(ids < 0) | (ids >= vocab_size)]
+        if bad.size:
+            raise ValueError(f"prompt {i}: token id {int(bad[0])} is outside the vocabulary [0, {vocab_size})")
+        if max_length is not None and ids.size + max_new_tokens > max_length:
+            raise ValueError(f"prompt {i}: {ids.size} tokens + max_new_tokens {max_new_tokens} exceed the maximum "
+                             f"length {max_length}")
+        arrays.append(ids.astype(np.int32))
+    return arrays
+
+
+def generate(
+    model: nnx.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+    num_samples: int = 1,
+    batch_size: int | None = None,
+    max_length: int | None = None,
+    first_row: int = 0,
+    progress: bool = False,
+    stats: GenerationStats | None = None,
+) -> list[Completion]:
+    """Sample `num_samples` completions of every prompt (token-id lists) from `model`.
+
+    temperature 0 is greedy; top_k 0 and top_p 1 leave the vocabulary whole (rules in `sampling.py`).
+    `stop_token_ids` end a row (None: none; the tool reads the checkpoint's eos ids). On `mesh` the
+    rows are split over all its devices and the parameters stay as they are sharded; without one,
+    the model's own devices. `batch_size` rows (prompt x sample) run at a time (None: all).
+    `first_row` offsets the prompt index the random keys use (a shard of a larger input). Returns
+    one `Completion` per (prompt, sample), prompt-major."""
+    config = model.config
+    arrays = check_prompts(prompts, config.vocab_size, max_new_tokens, max_length)
+    options = SamplingOptions(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be a positive integer, got {num_samples!r}")
+    if batch_size is not None and batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    stop = np.asarray(sorted(set(int(t) for t in (stop_token_ids or ()))), np.int32)
+    if stop.size and (stop.min() < 0 or stop.max() >= config.vocab_size):
+        raise ValueError(f"stop token ids {stop.tolist()} must lie in [0, {config.vocab_size})")
+    stats = GenerationStats() if stats is None else stats
+
+    rows = [(i, s) for i in range(len(arrays)) for s in range(num_samples)]
+    order = sorted(range(len(rows)), key=lambda r: -arrays[rows[r][0]].size)  # longest first: less padding
+    step = len(order) if batch_size is None else batch_size
+    batches = [order[i:i + step] for i in range(0, len(order), step)]
+    graphdef, state = nnx.split(model)
+    platform = config.kernels.resolve().platform
+    prefill_fn, decode_fn = programs(graphdef, platform, options, max_new_tokens, mesh)
+    n_dev = 1 if mesh is None else mesh.size
+    sp = mesh_axis_size(mesh, SP)
+    results: list[Completion | None] = [None] * len(rows)
+    bar = tqdm(total=len(rows), desc="generating", unit="row", disable=not progress)
+    for batch in batches:
+        b = padded_size(len(batch), n_dev)
+        s = padded_size(max(arrays[rows[r][0]].size for r in batch), PROMPT_MULTIPLE * sp)
+        tokens = np.zeros((b, s), np.int32)
+        lengths = np.ones((b,), np.int32)  # padding rows: one token 0, never sampled
+        prompt_ids = np.zeros((b,), np.int32)
+        samples = np.zeros((b,), np.int32)
+        for j, r in enumerate(batch):
+            prompt = arrays[rows[r][0]]
+            tokens[j, :prompt.size], lengths[j] = prompt, prompt.size
+            prompt_ids[j], samples[j] = first_row + rows[r][0], rows[r][1]
+        active = np.arange(b) < len(batch)
+        stats.cache = describe_cache(config, b, s + max_new_tokens - 1)
+        with _mesh_context(mesh):
+            start = time.perf_counter()
+            logits, cache = prefill_fn(state, _put(tokens, mesh, TOKENS_BS), _put(lengths, mesh, ROWS))
+            jax.block_until_ready(logits)
+            middle = time.perf_counter()
+            out = decode_fn(state, logits, cache, *(_put(x, mesh, ROWS) for x in (prompt_ids, samples, active)),
+                            np.asarray(stop), np.int32(seed))
+            tokens_out, log_probs, generated, stopped = (np.asarray(jax.device_get(x)) for x in
+                                                         (out.tokens, out.log_probs, out.generated, out.stopped))
+            end = time.perf_counter()
+        stats.prompt_tokens += int(lengths[active].sum())
+        stats.generated_tokens += int(generated[active].sum())
+        stats.prefill_seconds += middle - start
+        stats.decode_seconds += end - middle
+        for j, r in enumerate(batch):
+            n = int(generated[j])
+            results[r] = Completion(prompt_index=rows[r][0], sample=rows[r][1],
+                                    completion_ids=tokens_out[j, :n].tolist(),
+                                    log_probs=log_probs[j, :n].astype(float).tolist(),
+                                    finish_reason="stop" if stopped[j] else "length")
+        bar.update(len(batch))
+    bar.close()
+    return results  # type: ignore[return-value]
+
+
+def _mesh_context(mesh: Mesh | None) -> Any:
+    import contextlib
+
+    return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
+
+
+def _put(x: np.ndarray, mesh: Mesh | None, spec: Any) -> Any:
+    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, spec))

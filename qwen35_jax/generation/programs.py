@@ -1,0 +1,99 @@
+"""The two compiled programs of generation, for one model graph, sampling rule and length budget:
+
+- prefill: prompts [B, S] -> the first token's logits [B, V] and the hybrid cache;
+- decode: a `lax.while_loop` that samples a token per row, records it and its log-prob, and runs
+  `forward.decode_step` on it, until every row has stopped or `max_new_tokens` tokens are out. No
+  host round trip per token and never more than [B, V] logits at once.
+
+Both trace under the model config's kernel choices, as the train step does. Programs are kept per
+(graph, kernels, options, mesh), so generating again (an RL step) compiles nothing new for the
+same shapes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from qwen35_jax.generation.cache import HybridCache
+from qwen35_jax.generation.forward import ROWS, constrain_cache, decode_step, prefill, rows_spec
+from qwen35_jax.generation.sampling import SamplingOptions, row_keys, sample_tokens
+from qwen35_jax.parallel.mesh import constrain
+from qwen35_jax.xla_options import compiler_options
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeOutput:
+    tokens: jax.Array  # [B, N] int32, 0 after a row stopped
+    log_probs: jax.Array  # [B, N] float32, 0 after a row stopped
+    generated: jax.Array  # [B] int32 tokens each row produced (its stop token included)
+    stopped: jax.Array  # [B] bool: ended on a stop token (else on the length budget)
+
+
+@functools.lru_cache(maxsize=16)
+def programs(graphdef: Any, platform: str, options: SamplingOptions, max_new_tokens: int, mesh: Any
+             ) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """(prefill(state, tokens [B, S], lengths [B]) -> (logits [B, V], cache),
+    decode(state, logits, cache, rows, samples, active [B], stop_ids [n], seed) -> DecodeOutput).
+    `platform`: the one the model's kernel choices resolve to (its XLA options); `mesh` is part of the
+    key only, so that a program compiled for one mesh is not reused on another."""
+    del mesh
+
+    def prefill_program(state: nnx.State, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, HybridCache]:
+        model = nnx.merge(graphdef, state)
+        with model.config.kernels.traced():
+            hidden, cache = prefill(model, tokens, lengths, tokens.shape[1] + max_new_tokens - 1)
+            return constrain(model.logits(hidden), rows_spec(2)), cache
+
+    def decode_program(state: nnx.State, logits: jax.Array, cache: HybridCache, rows: jax.Array,
+                       samples: jax.Array, active: jax.Array, stop_ids: jax.Array, seed: jax.Array
+                       ) -> DecodeOutput:
+        b, n = logits.shape[0], max_new_tokens
+
+        def advance(state: nnx.State, token: jax.Array, cache: HybridCache, grows: jax.Array
+                    ) -> tuple[jax.Array, HybridCache]:
+            # the parameters come in as operands of the loop and the cond: nnx's transforms refuse
+            # modules whose arrays belong to an outer trace
+            model = nnx.merge(graphdef, state)
+            with model.config.kernels.traced():
+                hidden, cache = decode_step(model, token, cache, grows)
+                return constrain(model.logits(hidden), rows_spec(2)), cache
+
+        def cond(carry: tuple[Any, ...]) -> jax.Array:
+            step, done = carry[1], carry[4]
+            return (step < n) & ~jnp.all(done)
+
+        def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            state, step, logits, cache, done, tokens, log_probs, generated, stopped = carry
+            token, log_prob = sample_tokens(logits, row_keys(seed, rows, samples, step), options)
+            live = ~done
+            tokens = tokens.at[:, step].set(jnp.where(live, token, 0))
+            log_probs = log_probs.at[:, step].set(jnp.where(live, log_prob, 0.0))
+            generated = generated + live.astype(jnp.int32)
+            hit = live & jnp.any(token[:, None] == stop_ids[None, :], axis=1)
+            stopped = stopped | hit
+            done = done | hit | (step + 1 >= n)
+            logits, cache = jax.lax.cond(jnp.all(done), lambda *_: (logits, cache), advance,
+                                         state, token, cache, ~done)
+            return state, step + 1, logits, constrain_cache(cache), done, tokens, log_probs, generated, stopped
+
+        zeros = constrain(jnp.zeros((b, n), jnp.int32), rows_spec(2))
+        carry = (state, jnp.int32(0), logits, cache, ~active, zeros, zeros.astype(jnp.float32),
+                 constrain(jnp.zeros((b,), jnp.int32), ROWS), constrain(jnp.zeros((b,), bool), ROWS))
+        *_, tokens, log_probs, generated, stopped = jax.lax.while_loop(cond, body, carry)
+        return DecodeOutput(tokens=tokens, log_probs=log_probs, generated=generated, stopped=stopped)
+
+    options_xla = compiler_options(platform)
+    return (jax.jit(prefill_program, compiler_options=options_xla),
+            jax.jit(decode_program, compiler_options=options_xla))
+
+
+jax.tree_util.register_dataclass(DecodeOutput, data_fields=["tokens", "log_probs", "generated", "stopped"],
+                                 meta_fields=[])
+
