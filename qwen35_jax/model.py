@@ -64,15 +64,16 @@ class DecoderLayer(nnx.Module):
             cache = AttentionCache(k=k, v=v)
         return self.feed_forward_residual(constrain(x + h, ACT_BSD)), cache
 
-    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: AttentionCache | GdnCache,
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: AttentionCache | GdnCache, block: int,
                positions: jax.Array) -> tuple[jax.Array, AttentionCache | GdnCache]:
-        """One new token per row at `positions` [B]: x [B, 1, D], cos/sin [B, 1, R] -> [B, 1, D], cache.
-        Rows are whole on a device (no sequence axis to split): plain calls, no shard_map."""
+        """One new token per row at `positions` [B]: x [B, 1, D], cos/sin [B, 1, R] -> [B, 1, D], and
+        `cache` (stacked over blocks, this layer's at `block`) updated in place. Rows are whole on a
+        device (no sequence axis to split): plain calls, no shard_map."""
         h = self.input_layernorm(x)
         if self.kind == "linear_attention":
-            h, cache = self.linear_attn.decode(h, cache)
+            h, cache = self.linear_attn.decode(h, cache, block)
         else:
-            h, cache = self.self_attn.decode(h, cos, sin, cache, positions)
+            h, cache = self.self_attn.decode(h, cos, sin, cache, block, positions)
         x = x + h
         mlp = self.mlp.route_and_mix if isinstance(self.mlp, SparseMoeBlock) else self.mlp
         return x + mlp(self.post_attention_layernorm(x)), cache
@@ -136,11 +137,12 @@ class Block(nnx.Module):
         return x, tuple(caches)
 
     def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, caches: tuple[AttentionCache | GdnCache, ...],
-               positions: jax.Array) -> tuple[jax.Array, tuple[AttentionCache | GdnCache, ...]]:
-        """`DecoderLayer.decode` layer by layer: [B, 1, D] -> [B, 1, D] and the updated caches."""
+               block: int, positions: jax.Array) -> tuple[jax.Array, tuple[AttentionCache | GdnCache, ...]]:
+        """`DecoderLayer.decode` layer by layer: [B, 1, D] -> [B, 1, D] and the updated caches
+        (stacked over blocks, this block's at `block`)."""
         updated = []
         for layer, cache in zip(self.layers, caches):
-            x, cache = layer.decode(x, cos, sin, cache, positions)
+            x, cache = layer.decode(x, cos, sin, cache, block, positions)
             updated.append(cache)
         return x, tuple(updated)
 

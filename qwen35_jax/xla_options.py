@@ -21,6 +21,9 @@ XLA:CPU's scheduler is left at its default: its memory-optimised one
 (`xla_cpu_scheduler_type`) made some of our programs smaller and others much larger
 (docs/lab_log.md, 2026-12-06), and the default is the one whose figure matched an H200's.
 
+Generation's prefill and decode programs have no backward pass and compile with XLA's defaults
+(`generation/programs.py`).
+
 Options are probed one by one, once: a jaxlib that no longer knows one (or one of its values)
 compiles without it instead of failing. GPU and TPU get no options.
 """

@@ -123,8 +123,7 @@ def generate(
     step = len(order) if batch_size is None else batch_size
     batches = [order[i:i + step] for i in range(0, len(order), step)]
     graphdef, state = nnx.split(model)
-    platform = config.kernels.resolve().platform
-    prefill_fn, decode_fn = programs(graphdef, platform, options, max_new_tokens, mesh)
+    prefill_fn, decode_fn = programs(graphdef, options, max_new_tokens, mesh)
     n_dev = 1 if mesh is None else mesh.size
     sp = mesh_axis_size(mesh, SP)
     results: list[Completion | None] = [None] * len(rows)

@@ -3,7 +3,10 @@
 - `prefill`: right-padded prompts through the training path (chunked GDN kernels, Ulysses under a
   mesh, sequences split over sp), returning each row's last hidden state and the hybrid cache.
 - `decode_step`: one token per row against the cache. Rows are whole on one device (the cache and
-  the token are split over rows on all fsdp x sp devices), parameters stay ZeRO-3 sharded.
+  the token are split over rows on all fsdp x sp devices), parameters stay ZeRO-3 sharded. Its
+  blocks run one after another whatever `scan_layers` says, each writing its slots of the stacked
+  cache in place: a scan would read each block's cache as a slice and stack the updated ones into a
+  new buffer, copying the whole cache every token.
 """
 
 from __future__ import annotations
@@ -42,8 +45,8 @@ def constrain_cache(cache: HybridCache) -> HybridCache:
 def over_blocks(model: Qwen35ForCausalLM, body: Callable[..., tuple[jax.Array, Any]], x: jax.Array,
                 caches: Any = None) -> tuple[jax.Array, Any]:
     """`body(block, x, caches_i) -> (x, caches_i)` over the blocks in order; caches [NB, ...] (or None)
-    are sliced per block and the outputs stacked back, under `nnx.scan` or unrolled as the model's
-    forward pass runs its blocks."""
+    are sliced per block and the outputs stacked, under `nnx.scan` or unrolled as the model's forward
+    pass runs its blocks."""
     if scans_layers(model.config):
         @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
         def run(block: Block, x: jax.Array, caches_i: Any) -> tuple[jax.Array, Any]:
@@ -104,11 +107,12 @@ def decode_step(
     x = jnp.take(model.embed_tokens.embedding[...].astype(model.config.dtype), tokens, axis=0)[:, None]
     x = constrain(x, ROWS_HIDDEN)  # [B, 1, D]
 
-    def body(block: Block, x: jax.Array, caches: Any) -> tuple[jax.Array, Any]:
-        x, caches = block.decode(x, cos, sin, caches, positions)
-        return constrain(x, ROWS_HIDDEN), caches
-
-    x, layers = over_blocks(model, body, x, cache.layers)
+    graphdef, stacked = nnx.split(model.blocks)
+    layers = cache.layers
+    for i in range(model.config.num_blocks):
+        block = nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], stacked))
+        x, layers = block.decode(x, cos, sin, layers, i, positions)
+        x = constrain(x, ROWS_HIDDEN)
     hidden = model.norm(x)[:, 0]
     lengths = jnp.where(advance, positions + 1, positions)
     return hidden, constrain_cache(HybridCache(layers=layers, lengths=lengths))

@@ -25,7 +25,6 @@ from qwen35_jax.generation.cache import HybridCache
 from qwen35_jax.generation.forward import ROWS, constrain_cache, decode_step, prefill, rows_spec
 from qwen35_jax.generation.sampling import SamplingOptions, row_keys, sample_tokens
 from qwen35_jax.parallel.mesh import constrain
-from qwen35_jax.xla_options import compiler_options
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,12 +36,11 @@ class DecodeOutput:
 
 
 @functools.lru_cache(maxsize=16)
-def programs(graphdef: Any, platform: str, options: SamplingOptions, max_new_tokens: int, mesh: Any
+def programs(graphdef: Any, options: SamplingOptions, max_new_tokens: int, mesh: Any
              ) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """(prefill(state, tokens [B, S], lengths [B]) -> (logits [B, V], cache),
     decode(state, logits, cache, rows, samples, active [B], stop_ids [n], seed) -> DecodeOutput).
-    `platform`: the one the model's kernel choices resolve to (its XLA options); `mesh` is part of the
-    key only, so that a program compiled for one mesh is not reused on another."""
+    `mesh` is part of the key only, so that a program compiled for one mesh is not reused on another."""
     del mesh
 
     def prefill_program(state: nnx.State, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, HybridCache]:
@@ -58,40 +56,49 @@ def programs(graphdef: Any, platform: str, options: SamplingOptions, max_new_tok
 
         def advance(state: nnx.State, token: jax.Array, cache: HybridCache, grows: jax.Array
                     ) -> tuple[jax.Array, HybridCache]:
-            # the parameters come in as operands of the loop and the cond: nnx's transforms refuse
-            # modules whose arrays belong to an outer trace
+            # the parameters come in as operands of the loop: nnx refuses modules whose arrays belong
+            # to an outer trace
             model = nnx.merge(graphdef, state)
             with model.config.kernels.traced():
                 hidden, cache = decode_step(model, token, cache, grows)
                 return constrain(model.logits(hidden), rows_spec(2)), cache
 
-        def cond(carry: tuple[Any, ...]) -> jax.Array:
-            step, done = carry[1], carry[4]
-            return (step < n) & ~jnp.all(done)
-
-        def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
-            state, step, logits, cache, done, tokens, log_probs, generated, stopped = carry
+        def record(step: jax.Array, logits: jax.Array, done: jax.Array, outputs: tuple[jax.Array, ...]
+                   ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+            """Sample token `step` of the rows not done yet and write it down -> (token, done, outputs)."""
+            tokens, log_probs, generated, stopped = outputs
             token, log_prob = sample_tokens(logits, row_keys(seed, rows, samples, step), options)
             live = ~done
             tokens = tokens.at[:, step].set(jnp.where(live, token, 0))
             log_probs = log_probs.at[:, step].set(jnp.where(live, log_prob, 0.0))
             generated = generated + live.astype(jnp.int32)
             hit = live & jnp.any(token[:, None] == stop_ids[None, :], axis=1)
-            stopped = stopped | hit
             done = done | hit | (step + 1 >= n)
-            logits, cache = jax.lax.cond(jnp.all(done), lambda *_: (logits, cache), advance,
-                                         state, token, cache, ~done)
-            return state, step + 1, logits, constrain_cache(cache), done, tokens, log_probs, generated, stopped
+            return token, done, (tokens, log_probs, generated, stopped | hit)
+
+        def cond(carry: tuple[Any, ...]) -> jax.Array:
+            step, done = carry[1], carry[4]
+            return (step < n) & ~jnp.all(done)
+
+        def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            # token step - 1 is out; run it through the model and sample token `step`
+            state, step, token, cache, done, outputs = carry
+            logits, cache = advance(state, token, cache, ~done)
+            token, done, outputs = record(step, logits, done, outputs)
+            return state, step + 1, token, constrain_cache(cache), done, outputs
 
         zeros = constrain(jnp.zeros((b, n), jnp.int32), rows_spec(2))
-        carry = (state, jnp.int32(0), logits, cache, ~active, zeros, zeros.astype(jnp.float32),
-                 constrain(jnp.zeros((b,), jnp.int32), ROWS), constrain(jnp.zeros((b,), bool), ROWS))
-        *_, tokens, log_probs, generated, stopped = jax.lax.while_loop(cond, body, carry)
+        outputs = (zeros, zeros.astype(jnp.float32), constrain(jnp.zeros((b,), jnp.int32), ROWS),
+                   constrain(jnp.zeros((b,), bool), ROWS))
+        token, done, outputs = record(jnp.int32(0), logits, ~active, outputs)
+        carry = (state, jnp.int32(1), token, cache, done, outputs)
+        tokens, log_probs, generated, stopped = jax.lax.while_loop(cond, body, carry)[-1]
         return DecodeOutput(tokens=tokens, log_probs=log_probs, generated=generated, stopped=stopped)
 
-    options_xla = compiler_options(platform)
-    return (jax.jit(prefill_program, compiler_options=options_xla),
-            jax.jit(decode_program, compiler_options=options_xla))
+    # XLA's default options, not the train step's (`xla_options.py`): what made XLA:CPU's YNNPACK
+    # fusions slow there were the backward pass's reductions; without a backward, prefill and the
+    # decode loop run 25-35% faster with them (docs/lab_log.md, 2026-12-07).
+    return jax.jit(prefill_program), jax.jit(decode_program)
 
 
 jax.tree_util.register_dataclass(DecodeOutput, data_fields=["tokens", "log_probs", "generated", "stopped"],

@@ -55,15 +55,16 @@ class Attention(nnx.Module):
         out = out * jax.nn.sigmoid(gate)
         return self.o_proj(out.reshape(b, s, -1)), k, v
 
-    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: AttentionCache, positions: jax.Array
-               ) -> tuple[jax.Array, AttentionCache]:
+    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: AttentionCache, block: int,
+               positions: jax.Array) -> tuple[jax.Array, AttentionCache]:
         """One new token per row. x: [B, 1, D], cos/sin: [B, 1, R], positions: [B] int, the slot of each
-        row's token -> out [B, 1, D] and the cache with the token's key and value in that slot."""
+        row's token; `cache` stacked over blocks [NB, B, L, K, Dh], this layer's at `block` -> out
+        [B, 1, D] and the cache with the token's key and value in their slot (written in place)."""
         b = x.shape[0]
         q, gate, k, v = self.project(x, cos, sin)  # [B, 1, ., Dh]
         rows = jnp.arange(b)
-        cache = AttentionCache(k=cache.k.at[rows, positions].set(k[:, 0].astype(cache.k.dtype)),
-                               v=cache.v.at[rows, positions].set(v[:, 0].astype(cache.v.dtype)))
-        out = decode_attention(q[:, 0], cache.k, cache.v, positions + 1)  # [B, H, Dh]
+        cache = AttentionCache(k=cache.k.at[block, rows, positions].set(k[:, 0].astype(cache.k.dtype)),
+                               v=cache.v.at[block, rows, positions].set(v[:, 0].astype(cache.v.dtype)))
+        out = decode_attention(q[:, 0], cache.k[block], cache.v[block], positions + 1)  # [B, H, Dh]
         out = out * jax.nn.sigmoid(gate[:, 0])
         return self.o_proj(out.reshape(b, 1, -1)), cache

@@ -118,12 +118,17 @@ class GatedDeltaNet(nnx.Module):
         self.norm = GatedRMSNorm(self.Dv, eps=config.rms_norm_eps, param_dtype=config.param_dtype)
         self.out_proj = Linear(value_dim, D, **lin)
 
-    def mixer_arrays(self, x: jax.Array) -> tuple[GdnTokens, GdnWeights]:
-        """x [B, S, D] -> the raw per-head projections [B, S, ...] and the mixer's weights."""
+    def mixer_arrays(self, x: jax.Array, *, split_weights: bool = True) -> tuple[GdnTokens, GdnWeights]:
+        """x [B, S, D] -> the raw per-head projections [B, S, ...] and the mixer's weights.
+        `split_weights`: q, k and v each from its own columns of `in_proj_qkv` (`Linear.parts`, for
+        sequences); else one matmul split after (a decode step, where slicing the weight would copy it)."""
         B, S, _ = x.shape
         Hk, Hv, Dk, Dv = self.Hk, self.Hv, self.Dk, self.Dv
         x = x.astype(jnp.dtype(self.config.dtype))
-        q, k, v = self.in_proj_qkv.parts(x, (Hk * Dk, Hk * Dk, Hv * Dv))  # [B, S, .] each
+        if split_weights:
+            q, k, v = self.in_proj_qkv.parts(x, (Hk * Dk, Hk * Dk, Hv * Dv))  # [B, S, .] each
+        else:
+            q, k, v = jnp.split(self.in_proj_qkv(x), (Hk * Dk, 2 * Hk * Dk), axis=-1)
         tokens = GdnTokens(q=q.reshape(B, S, Hk, Dk), k=k.reshape(B, S, Hk, Dk), v=v.reshape(B, S, Hv, Dv),
                            z=self.in_proj_z(x).reshape(B, S, Hv, Dv),
                            b=self.in_proj_b(x), a=self.in_proj_a(x))  # b, a: [B, S, Hv]
@@ -166,10 +171,13 @@ class GatedDeltaNet(nnx.Module):
         cache = GdnCache(conv=prompt_conv_window(tokens, weights, lengths), state=state)
         return self.out_proj(out.reshape(B, S, self.Hv * self.Dv)), cache
 
-    def decode(self, x: jax.Array, cache: GdnCache) -> tuple[jax.Array, GdnCache]:
-        """One new token per row: x [B, 1, D] -> out [B, 1, D] and the cache after it."""
-        tokens, weights = self.mixer_arrays(x)
-        out, cache = gdn_decode_step(tokens, weights, cache, eps=self.config.rms_norm_eps)  # [B, 1, Hv, Dv]
+    def decode(self, x: jax.Array, cache: GdnCache, block: int) -> tuple[jax.Array, GdnCache]:
+        """One new token per row: x [B, 1, D] -> out [B, 1, D] and the cache after it; `cache` stacked
+        over blocks ([NB, B, ...]), this layer's at `block` (updated in place)."""
+        tokens, weights = self.mixer_arrays(x, split_weights=False)
+        mine = GdnCache(conv=cache.conv[block], state=cache.state[block])
+        out, mine = gdn_decode_step(tokens, weights, mine, eps=self.config.rms_norm_eps)  # [B, 1, Hv, Dv]
+        cache = GdnCache(conv=cache.conv.at[block].set(mine.conv), state=cache.state.at[block].set(mine.state))
         return self.out_proj(out.reshape(x.shape[0], 1, self.Hv * self.Dv)), cache
 
 

@@ -31,12 +31,23 @@ def decode_attention(
         raise ValueError(f"decode_attention: {h} query heads are not a multiple of {n_kv} kv heads")
     if lengths.shape != (b,):
         raise ValueError(f"decode_attention: lengths must be [B] = [{b}], got {lengths.shape}")
-    qg = q.reshape(b, n_kv, h // n_kv, dh)  # [B, K, G, Dh]
-    s = jnp.einsum("bkgd,blkd->bkgl", qg, k_cache.astype(q.dtype), preferred_element_type=jnp.float32)
+    # Every query head against every kv head's keys, then each head's own: [B, L, K, Dh] is read as
+    # [B, L * K, Dh] (a free reshape), so the dots contract the cache as it lies. A dot batched over
+    # (B, K) would first copy the whole cache into a [B, K, L, Dh] layout every step; the K - 1 wasted
+    # products per score cost less than that copy.
+    length = k_cache.shape[1]
+    g = h // n_kv
+    s = jnp.einsum("bhd,bnd->bhn", q, k_cache.reshape(b, length * n_kv, dh).astype(q.dtype),
+                   preferred_element_type=jnp.float32)  # [B, H, L * K]
+    s = jnp.diagonal(s.reshape(b, n_kv, g, length, n_kv), axis1=1, axis2=4)  # [B, G, L, K]: head (k, g), key kv k
     s = s * (dh ** -0.5)
-    visible = jnp.arange(k_cache.shape[1])[None, :] < lengths[:, None]  # [B, L]
-    s = jnp.where(visible[:, None, None, :], s, _MASKED)
-    p = jnp.exp(s - jnp.max(s, axis=-1, keepdims=True)).astype(v_cache.dtype)  # [B, K, G, L]
-    out = jnp.einsum("bkgl,blkd->bkgd", p, v_cache, preferred_element_type=jnp.float32)
-    out = out / jnp.sum(p.astype(jnp.float32), axis=-1, keepdims=True)
+    visible = jnp.arange(length)[None, :] < lengths[:, None]  # [B, L]
+    s = jnp.where(visible[:, None, :, None], s, _MASKED)
+    p = jnp.exp(s - jnp.max(s, axis=2, keepdims=True)).astype(v_cache.dtype)  # [B, G, L, K]
+    denom = jnp.sum(p.astype(jnp.float32), axis=2)  # [B, G, K]
+    p = jnp.moveaxis(p, 3, 1).reshape(b, h, length)  # [B, H, L], head (k, g)
+    out = jnp.einsum("bhl,ble->bhe", p, v_cache.reshape(b, length, n_kv * dh),
+                     preferred_element_type=jnp.float32)  # [B, H, K * Dh]
+    out = jnp.diagonal(out.reshape(b, n_kv, g, n_kv, dh), axis1=1, axis2=3)  # [B, G, Dh, K]
+    out = jnp.moveaxis(out, 3, 1) / jnp.moveaxis(denom, 2, 1)[..., None]  # [B, K, G, Dh]
     return out.reshape(b, h, dh).astype(v_cache.dtype)
