@@ -35,8 +35,12 @@
 #      TRAIN_VARIANTS="--attention xla;--scan-layers true" replaces the list (';'-separated, empty:
 #      none). LIST_VARIANTS=1 prints the variants it would run, numbered, with their bench_train
 #      arguments, and exits.
+#   6. (scripts/bench/bench_generate.py, limited to GENERATE_LIMIT_S) generation of the 0.8B shapes,
+#      bfloat16, random weights, greedy: 64 rows x 128-token prompts + 128 new tokens (decode tokens/s)
+#      and one 8,192-token prompt + 1 token (prefill tokens/s), with each case's cache bytes
+#      ($OUT/generate.json, log $OUT/generate_log.txt).
 # KERNEL_STAGES=correctness,attention (names as in device_check.json) runs only those of 1-4.
-# STAGES=kernels (1-4) or STAGES=train (5) runs one part. On 2026-12-04 an H200 took 140 s for 1-3
+# STAGES=kernels (1-4), STAGES=train (5) or STAGES=generate (6) runs one part (default: all three). On 2026-12-04 an H200 took 140 s for 1-3
 # (4 cut by its budget) and 25-60 s per compile of the 0.8B step (blocks scanned / one after another);
 # the first train call (compile, 4 steps, the traced step and its HLO dump) took over 95 s with the
 # blocks one after another: keep TRAIN_LIMIT_S at 150 or more. Run the two parts as two commands where
@@ -110,7 +114,7 @@ export PYTHONPATH=".:kernels${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 { nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv || true; } >"$OUT/nvidia_smi.txt" 2>&1
 
-STAGES="${STAGES:-kernels,train}"
+STAGES="${STAGES:-kernels,train,generate}"
 status=0
 if [[ ",$STAGES," == *,kernels,* ]]; then
 timeout "${LIMIT_S:-460}" "${PYTHON:-python3}" - "$OUT" <<'PY' 2>&1 | tee "$OUT/log.txt"
@@ -421,6 +425,19 @@ if [[ ",$STAGES," == *,train,* ]]; then
     [ "${SMOKE:-0}" != "1" ] && [ "${TRAIN_B4:-1}" = "1" ] && train --batch 4 --json "$OUT/train_step_b4.json"
   fi
   [ "$status" -eq 0 ] && status=$train_status
+fi
+if [[ ",$STAGES," == *,generate,* ]]; then
+  if [ "${SMOKE:-0}" = "1" ]; then
+    generate=(--preset tiny --case decode:4:16:8 --case prefill:1:128:1 --steps 1)
+  else
+    generate=(--preset 0.8B --case decode:64:128:128 --case prefill:1:8192:1 --steps 3)
+  fi
+  start=$SECONDS
+  timeout "${GENERATE_LIMIT_S:-300}" "${PYTHON:-python3}" scripts/bench/bench_generate.py "${generate[@]}" \
+    --dtype bfloat16 --skip-torch --json "$OUT/generate.json" 2>&1 | tee "$OUT/generate_log.txt"
+  generate_status=${PIPESTATUS[0]}
+  echo "== took $((SECONDS - start)) s, exit $generate_status: bench_generate" | tee -a "$OUT/generate_log.txt"
+  [ "$status" -eq 0 ] && status=$generate_status
 fi
 echo "exit status $status; results in $OUT"
 exit $status

@@ -34,6 +34,7 @@ def test_training_demo_learns(tmp_path):
     assert any(r.get("eval_loss") for r in rows)
     assert (out / "loss.png").is_file() and (out / "checkpoints" / "40").is_dir()
     assert "what the model learned" in result.stdout and "trained:" in result.stdout
+    assert "continuations of held-out text" in result.stdout and result.stdout.count("random init: ...") == 3
 
 
 @pytest.mark.slow

@@ -146,7 +146,7 @@ def test_device_check_smoke_runs_every_stage_and_variant(tmp_path):
     smoke = [v for v in variants if gpu_only(v)] + merged(variants)
     env = dict(os.environ)
     env.pop("TRAIN_VARIANT_RANGE", None)
-    env.update(SMOKE="1", STAGES="kernels,train", PYTHON=sys.executable, OUT=str(tmp_path),
+    env.update(SMOKE="1", STAGES="kernels,train,generate", PYTHON=sys.executable, OUT=str(tmp_path),
                TRAIN_VARIANTS=";".join(smoke))
     run = subprocess.run(["bash", "scripts/device_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=900)
@@ -201,3 +201,6 @@ def test_device_check_smoke_runs_every_stage_and_variant(tmp_path):
     # every call's wall time, for budgeting a lease: the traced step, the variants (the GPU-only ones
     # exit 2 here), the GDN core
     assert took == ["0"] + ["2" if gpu_only(v) else "0" for v in smoke] + ["0"]
+    generation = json.loads((tmp_path / "generate.json").read_text())
+    assert [r["case"] for r in generation["rows"]] == ["decode", "prefill"]
+    assert all(r["ours_decode_tokens_per_s"] > 0 and r["cache_bytes"] > 0 for r in generation["rows"])

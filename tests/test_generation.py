@@ -80,6 +80,8 @@ def test_cache_bytes_are_the_prefilled_cache():
     assert size["total"] == arrays
     assert cache_bytes(cfg, 3, 48)["gdn"] == size["gdn"]  # constant in the length
     assert cache_bytes(cfg, 3, 48)["attention"] == 2 * size["attention"]
+    half = cache_bytes(cfg.replace(dtype="bfloat16"), 3, 24)  # the state stays float32
+    assert half["attention"] * 2 == size["attention"] and half["gdn"] > size["gdn"] // 2
 
 
 def _hf_pair():

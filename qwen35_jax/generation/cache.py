@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import numpy as np
+import jax.numpy as jnp
 
 from qwen35_jax.config import Qwen35Config
 
@@ -24,7 +24,7 @@ class HybridCache(NamedTuple):
 
 def cache_bytes(config: Qwen35Config, rows: int, max_len: int) -> dict[str, int]:
     """Bytes of the cache of `rows` rows of up to `max_len` tokens: {"attention", "gdn", "total"}."""
-    item = np.dtype(config.dtype).itemsize
+    item = jnp.dtype(config.dtype).itemsize
     n_attn = sum(kind == "full_attention" for kind in config.layer_types)
     n_gdn = len(config.layer_types) - n_attn
     attention = n_attn * 2 * rows * max_len * config.num_key_value_heads * config.head_dim * item

@@ -2,7 +2,7 @@
 random init on the generated demo corpus (qwen35_jax.data.demo) with its byte-level BPE tokenizer,
 on an fsdp=2 x sp=4 mesh of simulated CPU devices when the machine has only a CPU, and ends by showing
 what the model learned: held-out loss and the log-probs of right and wrong continuations, before and
-after training.
+after training, and both models' greedy continuations of held-out text.
 """
 
 from __future__ import annotations
@@ -63,9 +63,44 @@ def _probe_scores(params: Any, graphdef: Any, mesh: Any, tokenizer: Any,
     return log_probs.sum(axis=1), np.maximum(segments.sum(axis=1) - 1, 1)
 
 
-def show_what_it_learned(run_dir: str, tokenizer_dir: str, mesh: Any) -> list[str]:
+CONTINUATIONS = 3  # held-out texts whose opening both models continue
+OPENING_WORDS = 8
+NEW_TOKENS = 24
+
+
+def held_out_openings(eval_files: list[str]) -> list[str]:
+    """The first words of the first few held-out texts (the prompts of the demo's continuations)."""
+    import json
+
+    texts: list[str] = []
+    for path in eval_files:
+        with open(path) as f:
+            texts += [json.loads(line)["text"] for line in f if line.strip()][:CONTINUATIONS - len(texts)]
+    return [" ".join(t.split()[:OPENING_WORDS]) for t in texts]
+
+
+def _continuations(models: dict[str, Any], tokenizer: Any, openings: list[str], mesh: Any) -> list[str]:
+    """Greedy continuations of each opening by each model, as printable lines."""
+    from qwen35_jax.generation import generate
+
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    prompts = [tokenizer.encode(t).ids for t in openings]
+    outs = {name: generate(model, prompts, max_new_tokens=NEW_TOKENS, temperature=0, mesh=mesh,
+                           stop_token_ids=None if eos is None else [eos])
+            for name, model in models.items()}
+    lines = [f"continuations of held-out text (greedy, up to {NEW_TOKENS} tokens):"]
+    for i, opening in enumerate(openings):
+        lines.append(f"  '{opening}'")
+        for name, out in outs.items():
+            lines.append(f"    {name:>11}: ...{tokenizer.decode(out[i].completion_ids)!r}")
+    return lines
+
+
+def show_what_it_learned(run_dir: str, tokenizer_dir: str, mesh: Any, eval_files: list[str] | None = None
+                         ) -> list[str]:
     """Lines comparing the random init with the trained model on the demo's probes:
-    per-token log-prob of held-out text and, per prompt, the right vs the wrong continuation."""
+    per-token log-prob of held-out text and, per prompt, the right vs the wrong continuation; then
+    both models' greedy continuations of the openings of a few held-out texts (`eval_files`)."""
     import jax
     from flax import nnx
     from tokenizers import Tokenizer
@@ -91,6 +126,9 @@ def show_what_it_learned(run_dir: str, tokenizer_dir: str, mesh: Any) -> list[st
     for name, (accuracy, per_token) in results.items():
         lines.append(f"  {name:>11}: right continuation preferred in {accuracy:.0%} of {len(pairs)} probes "
                      f"('{pairs[0][0]}{pairs[0][1]}' vs '{pairs[0][2].strip()}'), mean log-prob per token {per_token:.3f}")
+    if eval_files:
+        lines += _continuations({"random init": init, "trained": trained}, tokenizer, held_out_openings(eval_files),
+                                mesh)
     return lines
 
 
@@ -99,5 +137,5 @@ def report(options: Any) -> None:
     from qwen35_jax.parallel.mesh import make_mesh
 
     print("what the model learned (generated held-out probes, random init vs trained):", flush=True)
-    for line in show_what_it_learned(options.out, options.tokenizer, make_mesh(options.mesh)):
+    for line in show_what_it_learned(options.out, options.tokenizer, make_mesh(options.mesh), options.eval_data):
         print(line, flush=True)
