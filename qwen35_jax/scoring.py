@@ -9,7 +9,9 @@ same way, and each device scores its own tokens inside `jax.shard_map` against t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +21,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from qwen35_kernels import linear_logprob_entropy, sharded_linear_logprob_entropy
+from qwen35_kernels.choices import KernelChoices
 from tqdm import tqdm
 
 from qwen35_jax.labels import next_token_labels
@@ -103,6 +106,21 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(jax.device_get(x))
 
 
+@functools.lru_cache(maxsize=16)
+def _score_program(graphdef: nnx.GraphDef, kernels: KernelChoices, temperature: float, backend: str,
+                   lm_head_mode: str) -> Any:
+    """`score_tokens` jitted for one model graph, traced under its config's kernel choices, kept so
+    that scoring again (every step of an online RL run) compiles nothing new for the same shapes."""
+
+    def score(state: nnx.State, tok: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
+        with kernels.traced():
+            return score_tokens(nnx.merge(graphdef, state), tok, seg, temperature=temperature, backend=backend,
+                                lm_head_mode=lm_head_mode)
+
+    # the train step's XLA options
+    return jax.jit(score, compiler_options=compiler_options(kernels.resolve().platform))
+
+
 def score_batches(
     model: nnx.Module,
     tokens: np.ndarray,  # [B, S] int
@@ -124,15 +142,7 @@ def score_batches(
     data_sharding = NamedSharding(mesh, TOKENS_BS)
 
     graphdef, state = nnx.split(model)
-    kernels = model.config.kernels
-
-    def score(state: nnx.State, tok: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
-        with kernels.traced():
-            return score_tokens(nnx.merge(graphdef, state), tok, seg, temperature=temperature, backend=backend,
-                                lm_head_mode=lm_head_mode)
-
-    # the train step's XLA options
-    step = jax.jit(score, compiler_options=compiler_options(kernels.resolve().platform))
+    step = _score_program(graphdef, model.config.kernels, temperature, backend, lm_head_mode)
 
     log_probs = np.zeros(tokens.shape, np.float32)
     entropy = np.zeros(tokens.shape, np.float32)

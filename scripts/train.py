@@ -2,6 +2,7 @@
 """Train a Qwen3.5 model (SFT or PPO/GRPO) on an (fsdp, sp) device mesh; resumable run directories.
 
     python scripts/train.py                                   # the demo: tiny model, bundled corpus, runs/demo
+    python scripts/train.py --demo grpo                       # online RL demo: digit reversal, runs/demo-grpo
     python scripts/train.py (--model DIR | --preset NAME) (--data PATH... | --synthetic) --out RUN [options]
     python scripts/train.py --config RUN/config.yaml          # resume RUN (or any YAML/JSON options file)
 
@@ -18,7 +19,20 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     from qwen35_jax.train.signals import StopRequest
 
+    argv = sys.argv[1:] if argv is None else list(argv)
     with StopRequest() as stop:  # before jax loads: a SIGTERM during set-up is a clean stop too
+        if argv[:1] == ["--demo"]:
+            if argv[1:] not in (["sft"], ["grpo"]):
+                print("error: --demo takes sft (the default demo) or grpo, and nothing else", file=sys.stderr)
+                return 2
+            if argv[1] == "grpo":
+                from qwen35_jax.rl.demo import run_demo
+                try:
+                    return run_demo(stop)
+                except ValueError as err:
+                    print(f"error: {err}", file=sys.stderr)
+                    return 2
+            argv = []
         from qwen35_jax.train import demo
         from qwen35_jax.train.options import TrainOptions, build_parser, given_values
 

@@ -23,12 +23,12 @@ PROMPT_LENGTHS = (1, 3, 4, 63, 64, 65)  # around the conv window (Kc - 1 = 3) an
 STEPS = 4
 
 
-def config(moe: bool, scan: bool, **overrides) -> Qwen35Config:
-    """2 blocks of 3 GDN + 1 attention layer, GDN chunk 64, 8 value heads and 4 query heads."""
-    return Qwen35Config.preset("tiny-moe" if moe else "tiny", vocab_size=96, hidden_size=32, num_hidden_layers=8,
-                               layer_types=hybrid_layer_types(8, 4), num_attention_heads=4, head_dim=8,
-                               linear_num_value_heads=8, linear_key_head_dim=8, linear_value_head_dim=8,
-                               gdn_chunk_size=64, scan_layers=scan, **overrides)
+def config(moe: bool, scan: bool, blocks: int = 2) -> Qwen35Config:
+    """`blocks` blocks of 3 GDN + 1 attention layer, GDN chunk 64, 8 value heads and 4 query heads."""
+    return Qwen35Config.preset("tiny-moe" if moe else "tiny", vocab_size=96, hidden_size=32,
+                               num_hidden_layers=4 * blocks, layer_types=hybrid_layer_types(4 * blocks, 4),
+                               num_attention_heads=4, head_dim=8, linear_num_value_heads=8, linear_key_head_dim=8,
+                               linear_value_head_dim=8, gdn_chunk_size=64, scan_layers=scan)
 
 
 def _prompts(rng, lengths, vocab):
@@ -52,13 +52,16 @@ def test_decode_logits_equal_the_full_forward(moe, scan, tile):
     cont = np.stack([full[rows, lengths + t] for t in range(STEPS)], axis=1)  # [B, STEPS] teacher-forced
 
     @nnx.jit
-    def steps(model, prompts, lengths, cont):
+    def steps(model, prompts, lengths, cont):  # the decode steps in a scan: one compiled step
         hidden, cache = prefill(model, prompts, lengths, s + STEPS)
-        out = [model.logits(hidden)]
-        for t in range(STEPS):
-            hidden, cache = decode_step(model, cont[:, t], cache, jnp.ones((b,), bool))
-            out.append(model.logits(hidden))
-        return jnp.stack(out, axis=1)  # [B, STEPS + 1, V]
+        graphdef, state = nnx.split(model)
+
+        def one(cache, token):
+            hidden, cache = decode_step(nnx.merge(graphdef, state), token, cache, jnp.ones((b,), bool))
+            return cache, nnx.merge(graphdef, state).logits(hidden)
+
+        _, later = jax.lax.scan(one, cache, cont.T)  # [STEPS, B, V]
+        return jnp.concatenate([model.logits(hidden)[:, None], jnp.moveaxis(later, 0, 1)], axis=1)
 
     with kernel_choices(sequence_tile=tile):
         got = np.asarray(steps(model, jnp.asarray(prompts), jnp.asarray(lengths), jnp.asarray(cont)))
@@ -112,7 +115,7 @@ def test_greedy_tokens_are_transformers_float64_argmax():
 
 
 def test_a_row_in_a_mixed_batch_equals_the_row_alone_and_any_mesh(mesh_2x4):
-    cfg = config(False, True)
+    cfg = config(False, True, blocks=1)
     model = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(2))
     prompts = _prompts(np.random.default_rng(5), (7, 2, 19), cfg.vocab_size)
     kw = dict(max_new_tokens=6, temperature=1.0, top_k=20, seed=11)
@@ -133,7 +136,7 @@ def test_a_row_in_a_mixed_batch_equals_the_row_alone_and_any_mesh(mesh_2x4):
 
 
 def test_a_stop_token_ends_its_row_and_no_other():
-    cfg = config(False, True)
+    cfg = config(False, True, blocks=1)
     model = Qwen35ForCausalLM(cfg, rngs=nnx.Rngs(3))
     prompts = _prompts(np.random.default_rng(6), (4, 9), cfg.vocab_size)
     free = generate(model, prompts, max_new_tokens=8, temperature=1.0, seed=1)
@@ -155,6 +158,6 @@ def test_a_stop_token_ends_its_row_and_no_other():
     ([[1]], {"stop_token_ids": [200]}, "stop token ids [200]"),
 ])
 def test_bad_input_is_named(prompts, kw, message):
-    model = Qwen35ForCausalLM(config(False, True), rngs=nnx.Rngs(0))
+    model = Qwen35ForCausalLM(config(False, True, blocks=1), rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="^" + re.escape(message)):
         generate(model, prompts, max_new_tokens=4, **kw)

@@ -151,7 +151,7 @@ def test_config_file_holds_options_and_flags_override_it(tmp_path):
     ("lr: 0.1\nlearning_rate: 2\n", "unknown option 'learning_rate'"),
     ("steps: ten\n", "option 'steps' must be int, got 'ten'"),
     ("synthetic: 1\n", "option 'synthetic' must be bool"),
-    ("objective: dpo\n", "--objective must be one of sft, ppo"),
+    ("objective: dpo\n", "--objective must be one of sft, ppo, grpo"),
     ("- lr\n", "expected a mapping of options"),
 ])
 def test_bad_config_file_is_one_line_error_and_writes_nothing(tmp_path, text, message):

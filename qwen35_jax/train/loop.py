@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import os
 import statistics
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.checkpoint import _config_dict, load_checkpoint
@@ -28,7 +30,7 @@ from qwen35_jax.parallel.mesh import FSDP, init_distributed, make_mesh, mesh_axi
 from qwen35_jax.train.checkpoints import RunCheckpoints
 from qwen35_jax.train.data import BatchStream, check_batch_size, place_batch, process_slice
 from qwen35_jax.train.flops import peak_tflops, train_flops
-from qwen35_jax.train.metrics import MetricsLog, Progress, plot_loss
+from qwen35_jax.train.metrics import MetricsLog, Progress, plot_loss, plot_reward
 from qwen35_jax.train.optim import init_opt_state, make_optimizer, make_schedule, opt_state_shardings
 from qwen35_jax.train.options import TrainOptions, flag
 from qwen35_jax.train.remat_choice import make_config_train_step
@@ -66,6 +68,11 @@ class Run:
     skipped_steps: int = 0
     applied_updates: int = 0
     eval_start: dict[str, Any] | None = None  # the eval stream's position before its first batch
+    rl: Any = None  # the online RL state (`qwen35_jax.rl.online.OnlineRL`) of --objective grpo
+
+    @property
+    def evaluates(self) -> bool:
+        return self.eval_stream is not None or bool(self.rl is not None and self.rl.eval_prompts)
 
 
 def check_options(options: TrainOptions) -> None:
@@ -81,6 +88,9 @@ def check_options(options: TrainOptions) -> None:
     for path in options.data + options.eval_data:
         if not os.path.exists(path):
             raise ValueError(f"data not found: {path}")
+    if options.objective == "grpo":
+        from qwen35_jax.rl.online import check_grpo_options
+        check_grpo_options(options)
 
 
 def _start_model(options: TrainOptions, mesh: jax.sharding.Mesh) -> tuple[Qwen35Config, Any, dict[str, Any]]:
@@ -132,13 +142,18 @@ def prepare(options: TrainOptions) -> Run:
     check_kernel_choices(options.attention, options.compute_dtype or _default_compute_dtype())
     mesh = make_mesh(options.mesh)
     fsdp = mesh_axis_size(mesh, FSDP)
-    batch_size = options.batch_size or fsdp * options.grad_accum
+    online = options.objective == "grpo"
+    batch_size = options.batch_size or (math.lcm(fsdp * options.grad_accum, options.group_size) if online
+                                        else fsdp * options.grad_accum)
     check_batch_size(batch_size, fsdp, options.grad_accum)
     options = dataclasses.replace(  # resolved defaults are stored, so a resume on another mesh keeps them
         options, batch_size=batch_size, schedule_steps=options.total_schedule_steps,
         compute_dtype=options.compute_dtype or _default_compute_dtype())
 
-    schedule = make_schedule(options.lr, options.total_schedule_steps, options.warmup_steps, options.final_lr_ratio)
+    # the schedule counts optimizer updates: --ppo-epochs of them per online step
+    updates_per_step = options.ppo_epochs if online else 1
+    schedule = make_schedule(options.lr, options.total_schedule_steps * updates_per_step,
+                             options.warmup_steps * updates_per_step, options.final_lr_ratio)
     tx = make_optimizer(schedule, weight_decay=options.weight_decay, clip_norm=options.clip_norm,
                         b1=options.adam_b1, b2=options.adam_b2, eps=options.adam_eps)
     checkpoints = RunCheckpoints(options.out, keep=options.keep) if resuming else None
@@ -172,16 +187,26 @@ def prepare(options: TrainOptions) -> Run:
 
     shard_index, shard_count = process_slice(mesh, batch_size, options.grad_accum)
     step_options = StepOptions(
-        objective=options.objective, temperature=options.temperature, clip_low=options.clip_ratio,
+        objective="ppo" if online else options.objective, temperature=options.temperature, clip_low=options.clip_ratio,
         clip_high=options.clip_ratio_high, entropy_coef=options.entropy_coef, kl_coef=options.kl_coef,
         kl_estimator=options.kl_estimator, backend=options.logprob_backend, lm_head_mode=options.lm_head)
     graphdef, _, _ = abstract_model(config)
-    stream = open_train_stream(options, config=config, mesh=mesh, batch_size=batch_size, shard_index=shard_index,
-                               shard_count=shard_count, fields=step_options.required_fields(),
-                               graphdef=graphdef, params=params)
-    eval_stream, eval_batches = open_eval_stream(options, config=config, batch_size=batch_size,
-                                                 shard_index=shard_index, shard_count=shard_count,
-                                                 fields=step_options.required_fields())
+    rl = None
+    if online:
+        from qwen35_jax.rl.online import open_online_rl
+        ref_params = None
+        if options.kl_coef > 0:  # the starting weights, sharded like the trained ones
+            ref_params = _start_model(options, mesh)[1] if restored is not None else jax.tree.map(jnp.copy, params)
+        rl = open_online_rl(options, vocab_size=config.vocab_size, batch_size=batch_size, graphdef=graphdef,
+                            ref_params=ref_params)
+        stream, eval_stream, eval_batches = rl.stream, None, 0
+    else:
+        stream = open_train_stream(options, config=config, mesh=mesh, batch_size=batch_size,
+                                   shard_index=shard_index, shard_count=shard_count,
+                                   fields=step_options.required_fields(), graphdef=graphdef, params=params)
+        eval_stream, eval_batches = open_eval_stream(options, config=config, batch_size=batch_size,
+                                                     shard_index=shard_index, shard_count=shard_count,
+                                                     fields=step_options.required_fields())
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
     train_step = make_config_train_step(config, tx, step_options,
                                         (param_shardings, jax.tree.map(lambda x: x.sharding, opt_state)),
@@ -190,7 +215,7 @@ def prepare(options: TrainOptions) -> Run:
     run = Run(options=options, mesh=mesh, config=config, meta=meta, params=params, opt_state=opt_state,
               schedule=schedule, train_step=train_step, eval_step=eval_step,
               stream=stream, eval_stream=eval_stream, eval_batches=eval_batches, checkpoints=checkpoints,
-              shard_count=shard_count, batch_size=batch_size, start_step=start_step)
+              shard_count=shard_count, batch_size=batch_size, start_step=start_step, rl=rl)
     if restored is not None:
         state = meta["train"]
         stream.set_state(state["data_state"])
@@ -205,7 +230,11 @@ def save(run: Run, step: int) -> None:
 
 
 def evaluate(run: Run) -> dict[str, float]:
-    """Held-out token means over the first `eval_batches` batches of --eval-data (the same each time)."""
+    """Held-out token means over the first `eval_batches` batches of --eval-data (the same each time);
+    online RL: the greedy mean reward on the --eval-data prompts."""
+    if run.rl is not None:
+        from qwen35_jax.rl.online import rl_evaluate
+        return rl_evaluate(run)
     run.eval_stream.set_state(run.eval_start)
     totals: dict[str, float] = {}
     for _ in range(run.eval_batches):
@@ -226,9 +255,13 @@ def _row(run: Run, step: int, metrics: dict[str, Any], seconds: float, lr: float
 
 
 def _one_step(run: Run, step: int) -> tuple[dict[str, Any], int]:
-    """(metrics, padded row length) of one optimizer step on the next batch."""
-    batch = place_batch(run.stream.next_batch(), run.mesh, run.options.grad_accum, run.shard_count)
+    """(metrics, padded row length) of one optimizer step on the next batch (online RL: one step of
+    sampling, rewards and --ppo-epochs updates)."""
     try:
+        if run.rl is not None:
+            from qwen35_jax.rl.online import rl_step
+            return rl_step(run, step)
+        batch = place_batch(run.stream.next_batch(), run.mesh, run.options.grad_accum, run.shard_count)
         run.params, run.opt_state, metrics = run.train_step(run.params, run.opt_state, batch)
         return jax.device_get(metrics), batch["tokens"].shape[-1]
     except Exception as err:
@@ -261,11 +294,11 @@ def loop(run: Run, stop: StopRequest) -> int:
                 metrics, seq = _one_step(run, step)
                 seconds = time.perf_counter() - start
                 applied = bool(metrics["applied"])
-                run.applied_updates += applied
+                run.applied_updates += int(metrics.get("updates_applied", applied))
                 run.skipped_steps += not applied
                 bad_in_a_row = 0 if applied else bad_in_a_row + 1
                 row = _row(run, step, metrics, seconds, lr, peak, train_flops(run.config, run.batch_size, int(seq)))
-                if run.eval_stream is not None and options.eval_every and step % options.eval_every == 0:
+                if run.evaluates and options.eval_every and step % options.eval_every == 0:
                     row.update(evaluate(run))
                 log.write(row)
                 progress.update(row)
@@ -278,7 +311,8 @@ def loop(run: Run, stop: StopRequest) -> int:
                 if step % options.save_every == 0 or step == options.steps:
                     save(run, step)
                     saved = step
-            if run.eval_stream is not None and step == options.steps and (not rows or "eval_loss" not in rows[-1]):
+            evaluated = rows and any(k.startswith("eval_") for k in rows[-1])
+            if run.evaluates and step == options.steps and not evaluated:
                 final = evaluate(run)
                 log.write({"step": step, **final, "time": time.time()})
                 rows.append({"step": step, **final})
@@ -303,7 +337,7 @@ def loop(run: Run, stop: StopRequest) -> int:
 
 def _summary(run: Run, rows: list[dict[str, Any]], step: int, stop: StopRequest) -> None:
     options = run.options
-    plot = plot_loss(options.out)
+    plots = [p for p in (plot_loss(options.out), plot_reward(options.out) if run.rl is not None else None) if p]
     trained = [r for r in rows if "loss" in r]
     if stop.signal_name is not None:
         print(f"stopped by {stop.signal_name} after step {step} of {options.steps}; checkpoint saved. "
@@ -316,11 +350,16 @@ def _summary(run: Run, rows: list[dict[str, Any]], step: int, stop: StopRequest)
         return
     speeds = [r["tokens_per_sec"] for r in trained[1:]] or [trained[0]["tokens_per_sec"]]
     evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
+    rewards = [r["eval_reward"] for r in rows if r.get("eval_reward") is not None]
+    sampled = (f", sampled reward {trained[0]['reward_mean']:.3f} -> {trained[-1]['reward_mean']:.3f}"
+               if run.rl is not None else "")
     print(f"trained steps {trained[0]['step']}-{trained[-1]['step']} of {options.steps}: loss "
-          f"{trained[0]['loss']:.4f} -> {trained[-1]['loss']:.4f}"
+          f"{trained[0]['loss']:.4f} -> {trained[-1]['loss']:.4f}{sampled}"
           + (f", held-out loss {evals[-1]:.4f}" if evals else "")
+          + (f", held-out greedy reward {rewards[-1]:.3f}" if rewards else "")
           + f", {statistics.median(speeds):,.0f} tokens/s (median), {run.skipped_steps} skipped steps; "
-          f"run directory {options.out} (checkpoints/, metrics.jsonl{', loss.png' if plot else ''})", flush=True)
+          f"run directory {options.out} (checkpoints/, metrics.jsonl"
+          + "".join(f", {os.path.basename(p)}" for p in plots) + ")", flush=True)
 
 
 def train(options: TrainOptions, stop: StopRequest | None = None) -> int:

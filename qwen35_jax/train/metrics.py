@@ -1,4 +1,5 @@
-"""What a run shows: metrics.jsonl (one row per step), TensorBoard events, loss.png, the progress bar.
+"""What a run shows: metrics.jsonl (one row per step), TensorBoard events, loss.png (and reward.png of an
+online RL run), the progress bar.
 
 Only the lead process (process 0) writes. On resume, rows past the resumed step are dropped from
 metrics.jsonl and TensorBoard purges its events past it, so every step appears once.
@@ -17,6 +18,7 @@ from qwen35_jax.train.atomic_text import write_text_atomically
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
+REWARD_PLOT_FILE = "reward.png"
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:
@@ -74,9 +76,21 @@ class MetricsLog:
 
 def plot_loss(run_dir: str) -> str | None:
     """RUN/loss.png: the training loss (and held-out loss, when logged) against the step."""
+    return plot_metric(run_dir, "loss", "eval_loss", PLOT_FILE, ("train loss", "held-out loss"))
+
+
+def plot_reward(run_dir: str) -> str | None:
+    """RUN/reward.png (online RL): the mean reward of the sampled completions (and the greedy held-out
+    reward, when logged) against the step."""
+    return plot_metric(run_dir, "reward_mean", "eval_reward", REWARD_PLOT_FILE,
+                       ("sampled reward (mean)", "held-out greedy reward"))
+
+
+def plot_metric(run_dir: str, key: str, eval_key: str, file: str, labels: tuple[str, str]) -> str | None:
+    """RUN/`file`: metrics.jsonl's `key` (and `eval_key`, when logged) against the step; None without rows."""
     rows = read_metrics(run_dir)
-    train = [(r["step"], r["loss"]) for r in rows if r.get("loss") is not None]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    train = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    evals = [(r["step"], r[eval_key]) for r in rows if r.get(eval_key) is not None]
     if not train:
         return None
     import matplotlib
@@ -84,16 +98,16 @@ def plot_loss(run_dir: str) -> str | None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
-    ax.plot(*zip(*train), label="train loss", linewidth=1.2)
+    ax.plot(*zip(*train), label=labels[0], linewidth=1.2)
     if evals:
-        ax.plot(*zip(*evals), "o-", label="held-out loss", markersize=4)
+        ax.plot(*zip(*evals), "o-", label=labels[1], markersize=4)
     ax.set_xlabel("step")
-    ax.set_ylabel("loss")
+    ax.set_ylabel(key.split("_")[0])
     ax.set_title(os.path.basename(os.path.abspath(run_dir)))
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    path = os.path.join(run_dir, PLOT_FILE)
+    path = os.path.join(run_dir, file)
     fig.savefig(path)
     plt.close(fig)
     return path
@@ -116,10 +130,12 @@ class Progress:
         loss = row.get("loss")
         text = f"loss {loss:.4f}" if loss is not None else "loss nan"
         if self.bar is not None:
-            self.bar.set_postfix_str(f"{text} tok/s {row['tokens_per_sec']:,.0f}", refresh=False)
+            reward = f" reward {row['reward_mean']:.3f}" if row.get("reward_mean") is not None else ""
+            self.bar.set_postfix_str(f"{text}{reward} tok/s {row['tokens_per_sec']:,.0f}", refresh=False)
             self.bar.update(1)
             return
-        extra = "".join(f" {k} {row[k]:.4g}" for k in ("eval_loss", "kl", "clip_fraction") if row.get(k) is not None)
+        extra = "".join(f" {k} {row[k]:.4g}" for k in ("reward_mean", "eval_loss", "eval_reward", "kl", "clip_fraction",
+                                                        "logprob_mismatch") if row.get(k) is not None)
         print(f"step {row['step']}/{self.total} {text} grad_norm {row['grad_norm'] or float('nan'):.4f} "
               f"lr {row['lr']:.3g} tokens {int(row['tokens'])} tok/s {row['tokens_per_sec']:,.0f}"
               f"{extra}{' (skipped)' if not row.get('applied', 1) else ''}", flush=True)

@@ -23,7 +23,8 @@ from qwen35_kernels.choices import GDN_PRECISIONS
 from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS
 
 CHOICES = {
-    "objective": ("sft", "ppo"),
+    "objective": ("sft", "ppo", "grpo"),
+    "advantage": ("grpo", "drgrpo", "rloo"),
     "kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
     "param_dtype": ("float32", "bfloat16"),
     "compute_dtype": ("float32", "bfloat16"),
@@ -58,13 +59,26 @@ class TrainOptions:
     out: str | None = _opt(None, "run directory: created if new, resumed if it holds this run", "run")
     seed: int = _opt(0, "seed of --preset init, --synthetic data and the data order", "run")
     # --- objective
-    objective: str = _opt("sft", "loss: sft (token-mean NLL) or ppo (clipped surrogate)", "objective")
-    temperature: float = _opt(1.0, "softmax temperature of the log-probs", "objective")
+    objective: str = _opt("sft", "loss: sft (token-mean NLL), ppo (clipped surrogate on rollouts from files) or "
+                                 "grpo (online: sample, reward, clipped surrogate; docs/rl.md)", "objective")
+    temperature: float = _opt(1.0, "softmax temperature of the log-probs (grpo: also of the sampling)", "objective")
     clip_ratio: float = _opt(0.2, "PPO ratio clip below 1 (and above, unless --clip-ratio-high)", "objective")
     clip_ratio_high: float | None = _opt(None, "PPO ratio clip above 1 (clip-higher)", "objective")
     entropy_coef: float = _opt(0.0, "PPO entropy bonus", "objective")
     kl_coef: float = _opt(0.0, "PPO KL penalty to the reference policy (needs ref_log_probs.npy)", "objective")
     kl_estimator: str = _opt("low_var_kl", "per-token KL estimator: k1, k2, k3, low_var_kl (k3 clamped)", "objective")
+    # --- online RL (--objective grpo)
+    reward: str | None = _opt(None, "grpo: reward function, FILE.py:FUNCTION or package.module:function "
+                                    "(built-ins: qwen35_jax.rewards:exact_answer, ...)", "rl")
+    group_size: int = _opt(4, "grpo: completions sampled per prompt (--batch-size counts completions)", "rl")
+    max_new_tokens: int = _opt(256, "grpo: new tokens per completion at most", "rl")
+    advantage: str = _opt("grpo", "grpo: advantages from each group's rewards: grpo (mean and std), drgrpo "
+                                  "(mean only) or rloo (leave-one-out mean)", "rl")
+    ppo_epochs: int = _opt(1, "grpo: optimizer updates on each step's rollouts", "rl")
+    stop_token_ids: str | None = _opt(None, "grpo: comma-separated ids that end a completion (default: the "
+                                            "model's eos ids)", "rl")
+    chat_template_kwargs: str | None = _opt(None, "grpo: JSON object passed to the chat template of "
+                                                  "'messages' prompts", "rl")
     # --- batch
     batch_size: int | None = _opt(None, "global sequences per optimizer step (default: fsdp x grad-accum)", "batch")
     grad_accum: int = _opt(1, "micro-batches per step; the update equals the whole batch's", "batch")
@@ -117,7 +131,8 @@ class TrainOptions:
             value = getattr(self, name)
             if value is not None and value not in choices:
                 raise ValueError(f"--{flag(name)} must be one of {', '.join(choices)}, got {value!r}")
-        positive = ("steps", "grad_accum", "seq_len", "save_every", "keep", "max_bad_steps", "eval_batches")
+        positive = ("steps", "grad_accum", "seq_len", "save_every", "keep", "max_bad_steps", "eval_batches",
+                    "group_size", "max_new_tokens", "ppo_epochs")
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
@@ -134,8 +149,12 @@ class TrainOptions:
             raise ValueError(f"--final-lr-ratio must be in [0, 1], got {self.final_lr_ratio}")
         if self.warmup_steps > self.total_schedule_steps:
             raise ValueError(f"--warmup-steps {self.warmup_steps} exceeds the schedule's {self.total_schedule_steps} steps")
-        if self.kl_coef > 0 and self.objective != "ppo":
-            raise ValueError("--kl-coef applies to --objective ppo only")
+        if self.kl_coef > 0 and self.objective == "sft":
+            raise ValueError("--kl-coef applies to --objective ppo and grpo only")
+        if self.objective == "grpo" and self.reward is None:
+            raise ValueError("--objective grpo needs --reward (FILE.py:FUNCTION or package.module:function)")
+        if self.advantage == "rloo" and self.group_size < 2:
+            raise ValueError("--advantage rloo needs --group-size >= 2")
 
     @property
     def total_schedule_steps(self) -> int:

@@ -1,0 +1,111 @@
+"""One step's rollouts: sample a group of completions per prompt with the current weights, score
+them with the reward, and lay them out as the PPO step's rows.
+
+Row layout (the trainer's): tokens = prompt + completion, segment id 1 on them and 0 after, every
+row padded to the run's fixed length (the longest prompt + --max-new-tokens, so every step compiles
+nothing new). Per-token fields are aligned with the log-probs: entry t is the prediction of token
+t + 1, so a completion of n tokens after a prompt of L has its loss mask and its sampler log-probs at
+L - 1 .. L + n - 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from qwen35_jax.generation import GenerationStats, generate
+from qwen35_jax.generation.prompts import PromptEncoder
+from qwen35_jax.parallel.padding import padded_size
+from qwen35_jax.rl.advantages import group_advantages
+from qwen35_jax.rl.reward_fn import RewardFn, call_reward
+
+ROW_MULTIPLE = 16  # the fixed row length is a multiple of this
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutOptions:
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    advantage: str
+    stop_token_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass
+class Rollout:
+    batch: dict[str, np.ndarray]  # tokens, segment_ids, loss_mask [N, S] int32; advantages [N] float32
+    sampler_log_probs: np.ndarray  # [N, S] float32, aligned like the loss mask (0 elsewhere)
+    rewards: np.ndarray  # [N] float64
+    completion_lengths: np.ndarray  # [N] int
+    truncated: np.ndarray  # [N] bool: cut at max_new_tokens
+    samples: list[dict[str, Any]]  # what the reward saw, per completion
+    stats: GenerationStats
+    seconds: float  # sampling + rewards
+
+
+def row_length(prompts: list[list[int]], max_new_tokens: int) -> int:
+    """The fixed row length of a run: its longest prompt plus the budget, rounded up."""
+    return padded_size(max(len(p) for p in prompts) + max_new_tokens, ROW_MULTIPLE)
+
+
+def reward_sample(row: Mapping[str, Any], prompt: list[int], completion: list[int], finish_reason: str,
+                  encoder: PromptEncoder) -> dict[str, Any]:
+    """The dict a reward function receives (see `reward_fn`)."""
+    sample = {k: v for k, v in row.items() if k != "_source"}
+    sample.update(prompt_ids=list(prompt), completion_ids=list(completion), finish_reason=finish_reason)
+    if encoder.tokenizer is not None:
+        sample["prompt"] = encoder.tokenizer.decode(prompt, skip_special_tokens=False)
+        sample["completion"] = encoder.decode(completion)
+    return sample
+
+
+def sample_rollouts(
+    model: nnx.Module,
+    rows: list[dict[str, Any]],
+    prompts: list[list[int]],
+    indices: list[int],  # this step's prompts (indices into rows / prompts)
+    *,
+    options: RolloutOptions,
+    seed: int,
+    mesh: Mesh | None,
+    reward: tuple[RewardFn, str],
+    encoder: PromptEncoder,
+    seq_len: int,
+) -> Rollout:
+    start = time.perf_counter()
+    stats = GenerationStats()
+    chosen = [prompts[i] for i in indices]
+    completions = generate(model, chosen, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
+                           seed=seed, stop_token_ids=list(options.stop_token_ids), mesh=mesh,
+                           num_samples=options.group_size, stats=stats)
+    n, g = len(completions), options.group_size
+    tokens = np.zeros((n, seq_len), np.int32)
+    segment_ids = np.zeros((n, seq_len), np.int32)
+    loss_mask = np.zeros((n, seq_len), np.int32)
+    sampler = np.zeros((n, seq_len), np.float32)
+    rewards = np.zeros((n,), np.float64)
+    samples = []
+    for j, c in enumerate(completions):
+        prompt, done = chosen[c.prompt_index], c.completion_ids
+        L, m = len(prompt), len(done)
+        tokens[j, :L + m] = prompt + done
+        segment_ids[j, :L + m] = 1
+        loss_mask[j, L - 1:L - 1 + m] = 1
+        sampler[j, L - 1:L - 1 + m] = c.log_probs
+        row = rows[indices[c.prompt_index]]
+        sample = reward_sample(row, prompt, done, c.finish_reason, encoder)
+        rewards[j] = call_reward(*reward, sample, f"{row['_source']} (sample {c.sample})")
+        samples.append({**sample, "reward": rewards[j]})
+    advantages = group_advantages(rewards.reshape(n // g, g), options.advantage).reshape(n)
+    batch = {"tokens": tokens, "segment_ids": segment_ids, "loss_mask": loss_mask,
+             "advantages": advantages.astype(np.float32)}
+    return Rollout(batch=batch, sampler_log_probs=sampler, rewards=rewards,
+                   completion_lengths=np.array([len(c.completion_ids) for c in completions]),
+                   truncated=np.array([c.finish_reason == "length" for c in completions]),
+                   samples=samples, stats=stats, seconds=time.perf_counter() - start)
