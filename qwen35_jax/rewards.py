@@ -54,12 +54,15 @@ def exact_answer(sample: dict[str, Any]) -> float:
 
 def reversed_digits(sample: dict[str, Any]) -> float:
     """The RL demo's task (`qwen35_jax.rl.demo`): the completion should be the prompt's digits reversed,
-    then the end token. The row's `target` holds the answer's ids and `end_id` the end token's. With
-    the completion read up to its end token: (digits in the right place - |length error|) / answer
-    length, so 1.0 exactly for the right answer and less for every wrong, missing or extra digit."""
+    then the end token. The row's `target` holds the answer's ids and `end_id` the end token's. 1.0 for
+    the exact answer; otherwise, with the completion read up to its end token, half the share of digits
+    in their right place, counted against the longer of the answer and the completion (extra digits
+    cost as much as missing ones)."""
     end = sample["end_id"]
     want = [t for t in sample["target"] if t != end]
     got = list(sample["completion_ids"])
     got = got[:got.index(end)] if end in got else got
+    if got == want and end in sample["completion_ids"]:
+        return 1.0
     right = sum(a == b for a, b in zip(got, want))
-    return (right - abs(len(got) - len(want))) / len(want)
+    return 0.5 * right / max(len(got), len(want))
