@@ -72,10 +72,12 @@ def test_exact_answer_reads_gsm8k_markers_and_boxes():
 def test_reversed_digits_reward():
     row = {"target": [13, 12, 11, 3], "end_id": 3}
     assert reversed_digits({**row, "completion_ids": [13, 12, 11, 3]}) == 1.0
-    assert reversed_digits({**row, "completion_ids": [13, 12, 10, 3]}) == 2 / 3  # one digit wrong
-    assert reversed_digits({**row, "completion_ids": [13, 12, 11, 11, 3]}) == 2 / 3  # one digit too many
-    assert reversed_digits({**row, "completion_ids": [13, 12]}) == 1 / 3  # cut before the last digit
-    assert reversed_digits({**row, "completion_ids": [3]}) == -1.0
+    # otherwise half the share of digits in place, over the longer of answer and completion
+    assert reversed_digits({**row, "completion_ids": [13, 12, 10, 3]}) == 0.5 * 2 / 3  # one digit wrong
+    assert reversed_digits({**row, "completion_ids": [13, 12, 11, 11, 3]}) == 0.5 * 3 / 4  # one digit too many
+    assert reversed_digits({**row, "completion_ids": [13, 12]}) == 0.5 * 2 / 3  # cut before the last digit
+    assert reversed_digits({**row, "completion_ids": [13, 12, 11]}) == 0.5  # right digits, no end token
+    assert reversed_digits({**row, "completion_ids": [3]}) == 0.0
 
 
 def test_prompt_stream_order_and_resume():

@@ -7,6 +7,7 @@ as one prefill and one decode loop (`programs.py`). Results come back in input o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import time
 from collections.abc import Sequence
@@ -15,14 +16,15 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from qwen35_jax.generation.cache import describe_cache
-from qwen35_jax.generation.forward import ROWS
+from qwen35_jax.generation.forward import rows_spec
 from qwen35_jax.generation.programs import programs
 from qwen35_jax.generation.sampling import SamplingOptions
-from qwen35_jax.parallel.mesh import SP, TOKENS_BS, mesh_axis_size
+from qwen35_jax.parallel.mesh import SP, mesh_axis_size
 from qwen35_jax.parallel.padding import padded_size
 
 PROMPT_MULTIPLE = 16  # prompt lengths are padded to a multiple of this (times sp): fewer compiled shapes
@@ -105,7 +107,10 @@ def generate(
     rows are split over all its devices and the parameters stay as they are sharded; without one,
     the model's own devices. `batch_size` rows (prompt x sample) run at a time (None: all).
     `first_row` offsets the prompt index the random keys use (a shard of a larger input). Returns
-    one `Completion` per (prompt, sample), prompt-major."""
+    one `Completion` per (prompt, sample), prompt-major.
+
+    In a multi-process run each process passes its own prompts (as many as every other process) and
+    gets its own completions; the rows are split over the devices of each process."""
     config = model.config
     arrays = check_prompts(prompts, config.vocab_size, max_new_tokens, max_length)
     options = SamplingOptions(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p))
@@ -124,13 +129,14 @@ def generate(
     batches = [order[i:i + step] for i in range(0, len(order), step)]
     graphdef, state = nnx.split(model)
     prefill_fn, decode_fn = programs(graphdef, options, max_new_tokens, mesh)
-    n_dev = 1 if mesh is None else mesh.size
+    n_dev = local_device_count(mesh)
+    _check_same_work_everywhere(len(batches), mesh)
     sp = mesh_axis_size(mesh, SP)
     results: list[Completion | None] = [None] * len(rows)
     bar = tqdm(total=len(rows), desc="generating", unit="row", disable=not progress)
     for batch in batches:
         b = padded_size(len(batch), n_dev)
-        s = padded_size(max(arrays[rows[r][0]].size for r in batch), PROMPT_MULTIPLE * sp)
+        s = padded_size(_longest_everywhere(max(arrays[rows[r][0]].size for r in batch), mesh), PROMPT_MULTIPLE * sp)
         tokens = np.zeros((b, s), np.int32)
         lengths = np.ones((b,), np.int32)  # padding rows: one token 0, never sampled
         prompt_ids = np.zeros((b,), np.int32)
@@ -143,12 +149,12 @@ def generate(
         stats.cache = describe_cache(config, b, s + max_new_tokens - 1)
         with _mesh_context(mesh):
             start = time.perf_counter()
-            logits, cache = prefill_fn(state, _put(tokens, mesh, TOKENS_BS), _put(lengths, mesh, ROWS))
+            logits, cache = prefill_fn(state, _put(tokens, mesh), _put(lengths, mesh))
             jax.block_until_ready(logits)
             middle = time.perf_counter()
-            out = decode_fn(state, logits, cache, *(_put(x, mesh, ROWS) for x in (prompt_ids, samples, active)),
+            out = decode_fn(state, logits, cache, *(_put(x, mesh) for x in (prompt_ids, samples, active)),
                             np.asarray(stop), np.int32(seed))
-            tokens_out, log_probs, generated, stopped = (np.asarray(jax.device_get(x)) for x in
+            tokens_out, log_probs, generated, stopped = (_local_rows(x) for x in
                                                          (out.tokens, out.log_probs, out.generated, out.stopped))
             end = time.perf_counter()
         stats.prompt_tokens += int(lengths[active].sum())
@@ -167,10 +173,47 @@ def generate(
 
 
 def _mesh_context(mesh: Mesh | None) -> Any:
-    import contextlib
-
     return contextlib.nullcontext() if mesh is None else jax.set_mesh(mesh)
 
 
-def _put(x: np.ndarray, mesh: Mesh | None, spec: Any) -> Any:
-    return x if mesh is None else jax.device_put(x, NamedSharding(mesh, spec))
+def local_device_count(mesh: Mesh | None) -> int:
+    """How many of `mesh`'s devices this process holds (1 without a mesh): its rows' multiple."""
+    if mesh is None:
+        return 1
+    return sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+
+def _check_same_work_everywhere(batches: int, mesh: Mesh | None) -> None:
+    """In a multi-process run every process runs each program together: the same number of batches."""
+    if mesh is None or jax.process_count() == 1:
+        return
+    counts = multihost_utils.process_allgather(np.int32(batches))
+    if len(set(np.asarray(counts).tolist())) != 1:
+        raise ValueError(f"every process must generate the same number of batches, got {np.asarray(counts).tolist()}: "
+                         "give each process as many prompts")
+
+
+def _longest_everywhere(n: int, mesh: Mesh | None) -> int:
+    """The longest prompt of this batch over every process (their prompt shapes must agree)."""
+    if mesh is None or jax.process_count() == 1:
+        return n
+    return int(np.max(multihost_utils.process_allgather(np.int32(n))))
+
+
+def _put(x: np.ndarray, mesh: Mesh | None) -> Any:
+    """This process's rows [b, ...] -> the global array, rows split over every device of `mesh` (each
+    process's devices hold one contiguous block: `make_mesh` orders devices by process)."""
+    if mesh is None:
+        return x
+    sharding = NamedSharding(mesh, rows_spec(x.ndim))
+    if jax.process_count() == 1:
+        return jax.device_put(x, sharding)
+    return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * jax.process_count(), *x.shape[1:]))
+
+
+def _local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of a row-split global array, in order."""
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)  # one row block per device
+    return np.concatenate([np.asarray(s.data) for s in shards])

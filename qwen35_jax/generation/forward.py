@@ -1,7 +1,8 @@
-"""The model's two generation passes over its blocks, scanned or one after another as in training:
+"""The model's two generation passes over its blocks:
 
 - `prefill`: right-padded prompts through the training path (chunked GDN kernels, Ulysses under a
-  mesh, sequences split over sp), returning each row's last hidden state and the hybrid cache.
+  mesh, sequences split over sp, blocks scanned or not as `scan_layers` says), returning each row's
+  last hidden state and the hybrid cache.
 - `decode_step`: one token per row against the cache. Rows are whole on one device (the cache and
   the token are split over rows on all fsdp x sp devices), parameters stay ZeRO-3 sharded. Its
   blocks run one after another whatever `scan_layers` says, each writing its slots of the stacked
@@ -25,15 +26,15 @@ from qwen35_jax.layers.rope import rope_cos_sin
 from qwen35_jax.model import Block, Qwen35ForCausalLM, embed_lookup, scans_layers
 from qwen35_jax.parallel.mesh import ACT_BSD, FSDP, SP, TOKENS_BS, constrain
 
-ROWS = P((FSDP, SP))  # decode: rows split over every device
-ROWS_HIDDEN = P((FSDP, SP), None, None)  # [B, 1, D]
-
-
 def rows_spec(ndim: int, row_axis: int = 0) -> P:
     """The decode layout of an array with rows on `row_axis`: split over (fsdp, sp), the rest whole."""
     spec: list[Any] = [None] * ndim
     spec[row_axis] = (FSDP, SP)
     return P(*spec)
+
+
+ROWS = rows_spec(1)  # [B]: rows split over every device
+ROWS_HIDDEN = rows_spec(3)  # [B, 1, D]
 
 
 def constrain_cache(cache: HybridCache) -> HybridCache:
@@ -42,22 +43,20 @@ def constrain_cache(cache: HybridCache) -> HybridCache:
     return HybridCache(layers=layers, lengths=constrain(cache.lengths, ROWS))
 
 
-def over_blocks(model: Qwen35ForCausalLM, body: Callable[..., tuple[jax.Array, Any]], x: jax.Array,
-                caches: Any = None) -> tuple[jax.Array, Any]:
-    """`body(block, x, caches_i) -> (x, caches_i)` over the blocks in order; caches [NB, ...] (or None)
-    are sliced per block and the outputs stacked, under `nnx.scan` or unrolled as the model's forward
-    pass runs its blocks."""
+def over_blocks(model: Qwen35ForCausalLM, body: Callable[[Block, jax.Array], tuple[jax.Array, Any]],
+                x: jax.Array) -> tuple[jax.Array, Any]:
+    """`body(block, x) -> (x, out)` over the blocks in order, the outs stacked [NB, ...], under
+    `nnx.scan` or unrolled as the model's forward pass runs its blocks."""
     if scans_layers(model.config):
-        @nnx.scan(in_axes=(0, nnx.Carry, 0), out_axes=(nnx.Carry, 0))
-        def run(block: Block, x: jax.Array, caches_i: Any) -> tuple[jax.Array, Any]:
-            return body(block, x, caches_i)
+        @nnx.scan(in_axes=(0, nnx.Carry), out_axes=(nnx.Carry, 0))
+        def run(block: Block, x: jax.Array) -> tuple[jax.Array, Any]:
+            return body(block, x)
 
-        return run(model.blocks, x, caches)
+        return run(model.blocks, x)
     graphdef, stacked = nnx.split(model.blocks)
     outs = []
     for i in range(model.config.num_blocks):
-        block = nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], stacked))
-        x, out = body(block, x, jax.tree.map(lambda c, i=i: c[i], caches))
+        x, out = body(nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], stacked)), x)
         outs.append(out)
     return x, jax.tree.map(lambda *xs: jnp.stack(xs), *outs)
 
@@ -83,7 +82,7 @@ def prefill(
     cos, sin = _cos_sin(model, positions)
     x = constrain(embed_lookup(model.embed_tokens.embedding[...], tokens, model.config.dtype), ACT_BSD)
 
-    def body(block: Block, x: jax.Array, _: Any) -> tuple[jax.Array, Any]:
+    def body(block: Block, x: jax.Array) -> tuple[jax.Array, Any]:
         return block.prefill(x, cos, sin, segment_ids, lengths)
 
     x, layers = over_blocks(model, body, x)

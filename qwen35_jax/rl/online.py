@@ -14,22 +14,27 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental import multihost_utils
+from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.generation import generate
 from qwen35_jax.generation.prompts import PromptEncoder, default_stop_token_ids, load_tokenizer, tokenizer_dir_for
 from qwen35_jax.rl.prompt_stream import PromptStream, load_prompts
 from qwen35_jax.rl.reward_fn import RewardFn, call_reward, load_reward
 from qwen35_jax.rl.rollout import RolloutOptions, reward_sample, row_length, sample_rollouts
-from qwen35_jax.scoring import score_batches
+from qwen35_jax.scoring import score_tokens
 from qwen35_jax.train.data import place_batch
 from qwen35_jax.train.options import TrainOptions
+from qwen35_jax.xla_options import compiler_options
 
 
 @dataclasses.dataclass
@@ -45,6 +50,8 @@ class OnlineRL:
     ref_params: Any  # the starting parameters (sharded), when --kl-coef > 0
     eval_rows: list[dict[str, Any]]
     eval_prompts: list[list[int]]
+    shard_index: int  # this process's share of every step's prompts (and of the batch's rows)
+    shard_count: int
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -59,8 +66,6 @@ def check_grpo_options(options: TrainOptions) -> None:
     if options.batch_size is not None and options.batch_size % options.group_size:
         raise ValueError(f"--batch-size {options.batch_size} counts completions: it must be a multiple of "
                          f"--group-size {options.group_size}")
-    if jax.process_count() > 1:
-        raise ValueError("--objective grpo runs in one process (multi-process sampling is not supported yet)")
     if options.stop_token_ids is not None:
         _stop_ids(options.stop_token_ids)
     load_reward(options.reward)  # a bad spec fails before anything is built
@@ -74,7 +79,15 @@ def _stop_ids(text: str) -> list[int]:
 
 
 def open_online_rl(options: TrainOptions, *, vocab_size: int, batch_size: int, graphdef: nnx.GraphDef,
-                   ref_params: Any) -> OnlineRL:
+                   ref_params: Any, shard_index: int, shard_count: int) -> OnlineRL:
+    """The prompts, reward, tokenizer and stop ids of a run. Each of the `shard_count` processes (each
+    holding its own rows of every batch) samples its `shard_index`-th share of every step's prompts."""
+    per_step = batch_size // options.group_size
+    if shard_count != jax.process_count() or per_step % shard_count:
+        raise ValueError(f"--objective grpo splits each step's {per_step} prompts over the processes, each sampling "
+                         f"and training its own rows: put fsdp across processes (this mesh gives {shard_count} "
+                         f"row shards for {jax.process_count()} processes) and make the prompts per step a "
+                         f"multiple of them")
     tokenizer_dir = options.tokenizer or (tokenizer_dir_for(options.model) if options.model else None)
     tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     kwargs = json.loads(options.chat_template_kwargs) if options.chat_template_kwargs else {}
@@ -94,58 +107,94 @@ def open_online_rl(options: TrainOptions, *, vocab_size: int, batch_size: int, g
     return OnlineRL(rows=rows, prompts=prompts, stream=stream, encoder=encoder, rollout=rollout,
                     reward=load_reward(options.reward), seq_len=row_length(prompts + eval_prompts,
                                                                             options.max_new_tokens),
-                    graphdef=graphdef, ref_params=ref_params, eval_rows=eval_rows, eval_prompts=eval_prompts)
+                    graphdef=graphdef, ref_params=ref_params, eval_rows=eval_rows, eval_prompts=eval_prompts,
+                    shard_index=shard_index, shard_count=shard_count)
 
 
-def _score(rl: OnlineRL, params: Any, batch: dict[str, np.ndarray], run: Any) -> np.ndarray:  # [N, S]
-    o = run.options
-    log_probs, _ = score_batches(nnx.merge(rl.graphdef, params), batch["tokens"], batch["segment_ids"],
-                                 mesh=run.mesh, temperature=o.temperature, backend=o.logprob_backend,
-                                 lm_head_mode=o.lm_head)
-    return log_probs
+@functools.lru_cache(maxsize=8)
+def _scorer(graphdef: nnx.GraphDef, kernels: KernelChoices, temperature: float, backend: str,
+            lm_head_mode: str) -> Any:
+    """jit: (params, tokens [K, b, S], segment_ids [K, b, S]) -> the trainer's log-probs [K, b, S]
+    (the fused kernel, as the train step computes them), on the placed batch of every process."""
+
+    def score(params: Any, tokens: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        k, b, s = tokens.shape
+        with kernels.traced():
+            log_probs, _ = score_tokens(nnx.merge(graphdef, params), tokens.reshape(k * b, s),
+                                        segment_ids.reshape(k * b, s), temperature=temperature, backend=backend,
+                                        lm_head_mode=lm_head_mode)
+        return log_probs.reshape(k, b, s)
+
+    return jax.jit(score, compiler_options=compiler_options(kernels.resolve().platform))
+
+
+@jax.jit
+def _mismatch(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> jax.Array:  # [K, b, S] each -> []
+    m = mask.astype(jnp.float32)
+    return jnp.sum(jnp.abs(sampler - trainer) * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def _all_rows(x: np.ndarray) -> np.ndarray:
+    """Every process's rows of a per-completion host array, concatenated (this one's alone in one process)."""
+    return x if jax.process_count() == 1 else np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _my_share(items: list[int], rl: OnlineRL) -> tuple[list[int], int]:
+    """(this process's share of `items`, the position of its first one)."""
+    per = len(items) // rl.shard_count
+    start = rl.shard_index * per
+    return items[start:start + per], start
 
 
 def rl_step(run: Any, step: int) -> tuple[dict[str, Any], int]:
     """One online step on `run` (a `train.loop.Run`): (metrics, row length). Updates run.params and
     run.opt_state."""
     rl, o = run.rl, run.options
-    indices = rl.stream.next_prompts()
+    indices, first = _my_share(rl.stream.next_prompts(), rl)
     model = nnx.merge(rl.graphdef, run.params)
     rollout = sample_rollouts(model, rl.rows, rl.prompts, indices, options=rl.rollout,
                               seed=step_seed(o.seed, step), mesh=run.mesh, reward=rl.reward, encoder=rl.encoder,
-                              seq_len=rl.seq_len)
+                              seq_len=rl.seq_len, first_row=first)
     start = time.perf_counter()
-    batch = dict(rollout.batch)
-    batch["old_log_probs"] = _score(rl, run.params, batch, run)
-    mask = batch["loss_mask"].astype(bool)
-    mismatch = float(np.abs(rollout.sampler_log_probs - batch["old_log_probs"])[mask].mean())
+    placed = place_batch({**rollout.batch, "sampler_log_probs": rollout.sampler_log_probs}, run.mesh, o.grad_accum,
+                         run.shard_count)
+    sampler = placed.pop("sampler_log_probs")
+    score = _scorer(rl.graphdef, run.config.kernels, o.temperature, o.logprob_backend, o.lm_head)
+    placed["old_log_probs"] = score(run.params, placed["tokens"], placed["segment_ids"])
+    mismatch = float(_mismatch(sampler, placed["old_log_probs"], placed["loss_mask"]))
     if o.kl_coef > 0:
-        batch["ref_log_probs"] = _score(rl, rl.ref_params, batch, run)
-    placed = place_batch(batch, run.mesh, o.grad_accum, run.shard_count)
+        placed["ref_log_probs"] = score(rl.ref_params, placed["tokens"], placed["segment_ids"])
     applied = 0
     for _ in range(o.ppo_epochs):
         run.params, run.opt_state, metrics = run.train_step(run.params, run.opt_state, placed)
         metrics = jax.device_get(metrics)
         applied += int(metrics["applied"])
     update_seconds = time.perf_counter() - start
-    generated = int(rollout.completion_lengths.sum())
+    rewards, lengths, truncated = (_all_rows(x) for x in (rollout.rewards, rollout.completion_lengths,
+                                                           rollout.truncated))
     metrics = {**metrics, "applied": float(applied == o.ppo_epochs), "updates_applied": applied,
-               "reward_mean": float(rollout.rewards.mean()), "reward_std": float(rollout.rewards.std()),
-               "response_length_mean": float(rollout.completion_lengths.mean()),
-               "truncated_fraction": float(rollout.truncated.mean()), "logprob_mismatch": mismatch,
-               "rollout_seconds": rollout.seconds, "update_seconds": update_seconds,
-               "rollout_tokens_per_sec": generated / max(rollout.seconds, 1e-9),
+               "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+               "response_length_mean": float(lengths.mean()), "truncated_fraction": float(truncated.mean()),
+               "logprob_mismatch": mismatch, "rollout_seconds": rollout.seconds, "update_seconds": update_seconds,
+               "rollout_tokens_per_sec": float(lengths.sum()) / max(rollout.seconds, 1e-9),
                "update_tokens_per_sec": o.ppo_epochs * float(metrics["batch_tokens"]) / max(update_seconds, 1e-9)}
     return metrics, rl.seq_len
 
 
 def rl_evaluate(run: Any) -> dict[str, float]:
-    """Greedy mean reward on the --eval-data prompts."""
+    """Greedy mean reward on the --eval-data prompts, each process taking an equal share (the last
+    prompt repeated to fill the shares, and counted once)."""
     rl = run.rl
-    model = nnx.merge(rl.graphdef, run.params)
-    out = generate(model, rl.eval_prompts, max_new_tokens=rl.rollout.max_new_tokens, temperature=0,
+    n = len(rl.eval_prompts)
+    per = -(-n // rl.shard_count)
+    mine = list(range(rl.shard_index * per, (rl.shard_index + 1) * per))
+    out = generate(nnx.merge(rl.graphdef, run.params), [rl.eval_prompts[min(i, n - 1)] for i in mine],
+                   max_new_tokens=rl.rollout.max_new_tokens, temperature=0,
                    stop_token_ids=list(rl.rollout.stop_token_ids), mesh=run.mesh)
-    rewards = [call_reward(*rl.reward, reward_sample(rl.eval_rows[c.prompt_index], rl.eval_prompts[c.prompt_index],
-                                                     c.completion_ids, c.finish_reason, rl.encoder),
-                           rl.eval_rows[c.prompt_index]["_source"]) for c in out]
-    return {"eval_reward": float(np.mean(rewards))}
+    rewards = np.zeros(per)
+    for c in out:
+        i = min(mine[c.prompt_index], n - 1)
+        sample = reward_sample(rl.eval_rows[i], rl.eval_prompts[i], c.completion_ids, c.finish_reason, rl.encoder)
+        rewards[c.prompt_index] = call_reward(*rl.reward, sample, rl.eval_rows[i]["_source"])
+    counted = _all_rows(np.array([i < n for i in mine]))
+    return {"eval_reward": float(_all_rows(rewards)[counted].mean())}

@@ -77,13 +77,14 @@ def sample_rollouts(
     reward: tuple[RewardFn, str],
     encoder: PromptEncoder,
     seq_len: int,
+    first_row: int = 0,  # the position of indices[0] in the step's prompts (this process's share)
 ) -> Rollout:
     start = time.perf_counter()
     stats = GenerationStats()
     chosen = [prompts[i] for i in indices]
     completions = generate(model, chosen, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
                            seed=seed, stop_token_ids=list(options.stop_token_ids), mesh=mesh,
-                           num_samples=options.group_size, stats=stats)
+                           num_samples=options.group_size, stats=stats, first_row=first_row)
     n, g = len(completions), options.group_size
     tokens = np.zeros((n, seq_len), np.int32)
     segment_ids = np.zeros((n, seq_len), np.int32)

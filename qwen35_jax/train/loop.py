@@ -198,7 +198,7 @@ def prepare(options: TrainOptions) -> Run:
         if options.kl_coef > 0:  # the starting weights, sharded like the trained ones
             ref_params = _start_model(options, mesh)[1] if restored is not None else jax.tree.map(jnp.copy, params)
         rl = open_online_rl(options, vocab_size=config.vocab_size, batch_size=batch_size, graphdef=graphdef,
-                            ref_params=ref_params)
+                            ref_params=ref_params, shard_index=shard_index, shard_count=shard_count)
         stream, eval_stream, eval_batches = rl.stream, None, 0
     else:
         stream = open_train_stream(options, config=config, mesh=mesh, batch_size=batch_size,
