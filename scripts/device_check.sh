@@ -428,7 +428,7 @@ if [[ ",$STAGES," == *,train,* ]]; then
 fi
 if [[ ",$STAGES," == *,generate,* ]]; then
   if [ "${SMOKE:-0}" = "1" ]; then
-    generate=(--preset tiny --case decode:4:16:8 --case prefill:1:128:1 --steps 1)
+    generate=(--preset tiny --case decode:2:8:4 --case prefill:1:64:1 --steps 1)
   else
     generate=(--preset 0.8B --case decode:64:128:128 --case prefill:1:8192:1 --steps 3)
   fi
