@@ -133,6 +133,40 @@ def tokenizer_dir_for(model_path: str) -> str | None:
     return None
 
 
+def model_tokenizer(model_path: str | None, explicit: str | None) -> tuple[Any, str | None]:
+    """(the HF tokenizer or None, its directory): `explicit` (--tokenizer), else `tokenizer_dir_for`."""
+    directory = explicit or (tokenizer_dir_for(model_path) if model_path else None)
+    return (load_tokenizer(directory) if directory else None), directory
+
+
+def parse_stop_token_ids(text: str) -> list[int]:
+    """--stop-token-ids "1,2" -> [1, 2] ("" -> none); one-line ValueError otherwise."""
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--stop-token-ids must be comma-separated integers, got {text!r}") from None
+
+
+def stop_token_ids(text: str | None, model_path: str | None, tokenizer: Any) -> list[int]:
+    """--stop-token-ids when given, else the checkpoint's eos ids (`default_stop_token_ids`), else none."""
+    if text is not None:
+        return parse_stop_token_ids(text)
+    return default_stop_token_ids(model_path, tokenizer) if model_path else []
+
+
+def parse_chat_template_kwargs(text: str | None) -> dict[str, Any]:
+    """--chat-template-kwargs: a JSON object (None -> {}); one-line ValueError otherwise."""
+    if text is None:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--chat-template-kwargs is not JSON ({err})") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--chat-template-kwargs must be a JSON object")
+    return kwargs
+
+
 def _eos_ids(value: Any) -> list[int]:
     if value is None:
         return []
@@ -170,5 +204,6 @@ def default_stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
     return [] if eos is None else [int(eos)]
 
 
-__all__ = ["BadRow", "PromptEncoder", "default_stop_token_ids", "load_tokenizer", "read_prompt_rows",
+__all__ = ["BadRow", "PromptEncoder", "default_stop_token_ids", "load_tokenizer", "model_tokenizer",
+           "parse_chat_template_kwargs", "parse_stop_token_ids", "read_prompt_rows", "stop_token_ids",
            "tokenizer_dir_for"]

@@ -47,13 +47,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def _stop_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"--stop-token-ids must be comma-separated integers, got {text!r}") from None
-
-
 def check_options(args: argparse.Namespace) -> dict[str, Any]:
     """One-line ValueErrors for options that are wrong on their own; the parsed chat template kwargs."""
     for name in ("max_new_tokens", "num_samples"):
@@ -61,41 +54,26 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    if args.stop_token_ids is not None:
-        _stop_ids(args.stop_token_ids)
-    if os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out} is a directory")
+    from qwen35_jax.generation.prompts import parse_chat_template_kwargs, parse_stop_token_ids
     from qwen35_jax.generation.sampling import SamplingOptions
 
+    if args.stop_token_ids is not None:
+        parse_stop_token_ids(args.stop_token_ids)
+    if os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} is a directory")
     SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.chat_template_kwargs is None:
-        return {}
-    try:
-        kwargs = json.loads(args.chat_template_kwargs)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"--chat-template-kwargs is not JSON ({err})") from None
-    if not isinstance(kwargs, dict):
-        raise ValueError("--chat-template-kwargs must be a JSON object")
-    return kwargs
+    return parse_chat_template_kwargs(args.chat_template_kwargs)
 
 
 def run(args: argparse.Namespace) -> int:
     chat_kwargs = check_options(args)
-    from qwen35_jax.generation.prompts import (
-        PROMPT_FIELDS,
-        BadRow,
-        PromptEncoder,
-        default_stop_token_ids,
-        load_tokenizer,
-        read_prompt_rows,
-        tokenizer_dir_for,
-    )
+    from qwen35_jax.generation.prompts import PROMPT_FIELDS, BadRow, PromptEncoder, model_tokenizer, read_prompt_rows
+    from qwen35_jax.generation.prompts import stop_token_ids as resolve_stop_token_ids
 
     rows = read_prompt_rows(args.prompts)
     if not os.path.exists(args.model):
         raise ValueError(f"--model {args.model} does not exist")
-    tokenizer_dir = args.tokenizer or tokenizer_dir_for(args.model)
-    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
+    tokenizer, tokenizer_dir = model_tokenizer(args.model, args.tokenizer)
     if tokenizer is None:
         for number, row in enumerate(rows, 1):
             if "prompt_ids" not in row and any(f in row for f in PROMPT_FIELDS):
@@ -123,8 +101,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"{args.prompts} row {number}: its {len(ids)} prompt tokens + --max-new-tokens "
                              f"{args.max_new_tokens} exceed --max-length {args.max_length}")
         prompts.append(ids)
-    stop = (_stop_ids(args.stop_token_ids) if args.stop_token_ids is not None
-            else default_stop_token_ids(args.model, tokenizer))
+    stop = resolve_stop_token_ids(args.stop_token_ids, args.model, tokenizer)
     longest = max(len(p) for p in prompts) + args.max_new_tokens
     batch = args.batch_size or len(prompts) * args.num_samples
     print(f"{len(prompts)} prompts x {args.num_samples} samples on mesh {dict(mesh.shape)}, stop ids {stop}; "

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import time
 from typing import Any
 
@@ -27,7 +26,13 @@ from jax.experimental import multihost_utils
 from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.generation import generate
-from qwen35_jax.generation.prompts import PromptEncoder, default_stop_token_ids, load_tokenizer, tokenizer_dir_for
+from qwen35_jax.generation.prompts import (
+    PromptEncoder,
+    model_tokenizer,
+    parse_chat_template_kwargs,
+    parse_stop_token_ids,
+    stop_token_ids,
+)
 from qwen35_jax.rl.prompt_stream import PromptStream, load_prompts
 from qwen35_jax.rl.reward_fn import RewardFn, call_reward, load_reward
 from qwen35_jax.rl.rollout import RolloutOptions, reward_sample, row_length, sample_rollouts
@@ -67,15 +72,9 @@ def check_grpo_options(options: TrainOptions) -> None:
         raise ValueError(f"--batch-size {options.batch_size} counts completions: it must be a multiple of "
                          f"--group-size {options.group_size}")
     if options.stop_token_ids is not None:
-        _stop_ids(options.stop_token_ids)
+        parse_stop_token_ids(options.stop_token_ids)
+    parse_chat_template_kwargs(options.chat_template_kwargs)
     load_reward(options.reward)  # a bad spec fails before anything is built
-
-
-def _stop_ids(text: str) -> list[int]:
-    try:
-        return [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
-        raise ValueError(f"--stop-token-ids must be comma-separated integers, got {text!r}") from None
 
 
 def open_online_rl(options: TrainOptions, *, vocab_size: int, batch_size: int, graphdef: nnx.GraphDef,
@@ -88,18 +87,12 @@ def open_online_rl(options: TrainOptions, *, vocab_size: int, batch_size: int, g
                          f"and training its own rows: put fsdp across processes (this mesh gives {shard_count} "
                          f"row shards for {jax.process_count()} processes) and make the prompts per step a "
                          f"multiple of them")
-    tokenizer_dir = options.tokenizer or (tokenizer_dir_for(options.model) if options.model else None)
-    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
-    kwargs = json.loads(options.chat_template_kwargs) if options.chat_template_kwargs else {}
-    if not isinstance(kwargs, dict):
-        raise ValueError("--chat-template-kwargs must be a JSON object")
-    encoder = PromptEncoder(tokenizer, vocab_size, chat_template_kwargs=kwargs, tokenizer_source=tokenizer_dir)
+    tokenizer, tokenizer_dir = model_tokenizer(options.model, options.tokenizer)
+    encoder = PromptEncoder(tokenizer, vocab_size, tokenizer_source=tokenizer_dir,
+                            chat_template_kwargs=parse_chat_template_kwargs(options.chat_template_kwargs))
     rows, prompts = load_prompts(options.data, encoder)
     eval_rows, eval_prompts = load_prompts(options.eval_data, encoder) if options.eval_data else ([], [])
-    if options.stop_token_ids is not None:
-        stop = _stop_ids(options.stop_token_ids)
-    else:
-        stop = default_stop_token_ids(options.model, tokenizer) if options.model else []
+    stop = stop_token_ids(options.stop_token_ids, options.model, tokenizer)
     rollout = RolloutOptions(group_size=options.group_size, max_new_tokens=options.max_new_tokens,
                              temperature=options.temperature, advantage=options.advantage,
                              stop_token_ids=tuple(stop))
