@@ -107,10 +107,11 @@ def _to_host(x: jax.Array) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=16)
-def _score_program(graphdef: nnx.GraphDef, kernels: KernelChoices, temperature: float, backend: str,
+def score_program(graphdef: nnx.GraphDef, kernels: KernelChoices, temperature: float, backend: str,
                    lm_head_mode: str) -> Any:
-    """`score_tokens` jitted for one model graph, traced under its config's kernel choices, kept so
-    that scoring again (every step of an online RL run) compiles nothing new for the same shapes."""
+    """`score_tokens` jitted for one model graph, traced under its config's kernel choices:
+    (state, tokens [B, S], segment_ids [B, S]) -> (log_probs, entropy) [B, S]. Kept, so that scoring
+    again (every step of an online RL run) compiles nothing new for the same shapes."""
 
     def score(state: nnx.State, tok: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
         with kernels.traced():
@@ -142,7 +143,7 @@ def score_batches(
     data_sharding = NamedSharding(mesh, TOKENS_BS)
 
     graphdef, state = nnx.split(model)
-    step = _score_program(graphdef, model.config.kernels, temperature, backend, lm_head_mode)
+    step = score_program(graphdef, model.config.kernels, temperature, backend, lm_head_mode)
 
     log_probs = np.zeros(tokens.shape, np.float32)
     entropy = np.zeros(tokens.shape, np.float32)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.generation.cache import HybridCache
-from qwen35_jax.generation.forward import ROWS, constrain_cache, decode_step, prefill, rows_spec
+from qwen35_jax.generation.forward import ROWS, decode_step, prefill, rows_spec
 from qwen35_jax.generation.sampling import SamplingOptions, row_keys, sample_tokens
 from qwen35_jax.parallel.mesh import constrain
 
@@ -85,7 +85,7 @@ def programs(graphdef: Any, options: SamplingOptions, max_new_tokens: int, mesh:
             state, step, token, cache, done, outputs = carry
             logits, cache = advance(state, token, cache, ~done)
             token, done, outputs = record(step, logits, done, outputs)
-            return state, step + 1, token, constrain_cache(cache), done, outputs
+            return state, step + 1, token, cache, done, outputs
 
         zeros = constrain(jnp.zeros((b, n), jnp.int32), rows_spec(2))
         outputs = (zeros, zeros.astype(jnp.float32), constrain(jnp.zeros((b,), jnp.int32), ROWS),

@@ -83,11 +83,9 @@ def greedy_accuracy(run_dir: str, heldout: str, mesh: Any) -> tuple[float, list[
 
 def run_demo(stop: Any, out: str = OUT) -> int:
     """SFT, then GRPO; prints the held-out greedy accuracy of each. The process exit code."""
-    from qwen35_jax.train.demo import CPU_DEVICES, corpus_dir
+    from qwen35_jax.train.demo import corpus_dir, simulate_cpu_devices
 
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={CPU_DEVICES}".strip()
+    simulate_cpu_devices()
     import jax
 
     from qwen35_jax.parallel.mesh import make_mesh

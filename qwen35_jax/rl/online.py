@@ -14,7 +14,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import time
 from typing import Any
 
@@ -23,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.experimental import multihost_utils
-from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.generation import generate
 from qwen35_jax.generation.prompts import (
@@ -36,10 +34,9 @@ from qwen35_jax.generation.prompts import (
 from qwen35_jax.rl.prompt_stream import PromptStream, load_prompts
 from qwen35_jax.rl.reward_fn import RewardFn, call_reward, load_reward
 from qwen35_jax.rl.rollout import RolloutOptions, reward_sample, row_length, sample_rollouts
-from qwen35_jax.scoring import score_tokens
+from qwen35_jax.scoring import score_program
 from qwen35_jax.train.data import place_batch
 from qwen35_jax.train.options import TrainOptions
-from qwen35_jax.xla_options import compiler_options
 
 
 @dataclasses.dataclass
@@ -104,21 +101,12 @@ def open_online_rl(options: TrainOptions, *, vocab_size: int, batch_size: int, g
                     shard_index=shard_index, shard_count=shard_count)
 
 
-@functools.lru_cache(maxsize=8)
-def _scorer(graphdef: nnx.GraphDef, kernels: KernelChoices, temperature: float, backend: str,
-            lm_head_mode: str) -> Any:
-    """jit: (params, tokens [K, b, S], segment_ids [K, b, S]) -> the trainer's log-probs [K, b, S]
-    (the fused kernel, as the train step computes them), on the placed batch of every process."""
-
-    def score(params: Any, tokens: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        k, b, s = tokens.shape
-        with kernels.traced():
-            log_probs, _ = score_tokens(nnx.merge(graphdef, params), tokens.reshape(k * b, s),
-                                        segment_ids.reshape(k * b, s), temperature=temperature, backend=backend,
-                                        lm_head_mode=lm_head_mode)
-        return log_probs.reshape(k, b, s)
-
-    return jax.jit(score, compiler_options=compiler_options(kernels.resolve().platform))
+def _log_probs(program: Any, params: Any, tokens: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """The trainer's log-probs [K, b, S] of the placed batch's tokens and segment ids [K, b, S], by
+    `scoring.score_program` (the fused kernel, as the train step computes them)."""
+    k, b, s = tokens.shape
+    log_probs, _ = program(params, tokens.reshape(k * b, s), segment_ids.reshape(k * b, s))
+    return log_probs.reshape(k, b, s)
 
 
 @jax.jit
@@ -152,11 +140,11 @@ def rl_step(run: Any, step: int) -> tuple[dict[str, Any], int]:
     placed = place_batch({**rollout.batch, "sampler_log_probs": rollout.sampler_log_probs}, run.mesh, o.grad_accum,
                          run.shard_count)
     sampler = placed.pop("sampler_log_probs")
-    score = _scorer(rl.graphdef, run.config.kernels, o.temperature, o.logprob_backend, o.lm_head)
-    placed["old_log_probs"] = score(run.params, placed["tokens"], placed["segment_ids"])
+    score = score_program(rl.graphdef, run.config.kernels, o.temperature, o.logprob_backend, o.lm_head)
+    placed["old_log_probs"] = _log_probs(score, run.params, placed["tokens"], placed["segment_ids"])
     mismatch = float(_mismatch(sampler, placed["old_log_probs"], placed["loss_mask"]))
     if o.kl_coef > 0:
-        placed["ref_log_probs"] = score(rl.ref_params, placed["tokens"], placed["segment_ids"])
+        placed["ref_log_probs"] = _log_probs(score, rl.ref_params, placed["tokens"], placed["segment_ids"])
     applied = 0
     for _ in range(o.ppo_epochs):
         run.params, run.opt_state, metrics = run.train_step(run.params, run.opt_state, placed)

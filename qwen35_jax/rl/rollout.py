@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from qwen35_jax.generation import GenerationStats, generate
+from qwen35_jax.generation import generate
 from qwen35_jax.generation.prompts import PromptEncoder
 from qwen35_jax.parallel.padding import padded_size
 from qwen35_jax.rl.advantages import group_advantages
@@ -44,8 +44,6 @@ class Rollout:
     rewards: np.ndarray  # [N] float64
     completion_lengths: np.ndarray  # [N] int
     truncated: np.ndarray  # [N] bool: cut at max_new_tokens
-    samples: list[dict[str, Any]]  # what the reward saw, per completion
-    stats: GenerationStats
     seconds: float  # sampling + rewards
 
 
@@ -80,18 +78,16 @@ def sample_rollouts(
     first_row: int = 0,  # the position of indices[0] in the step's prompts (this process's share)
 ) -> Rollout:
     start = time.perf_counter()
-    stats = GenerationStats()
     chosen = [prompts[i] for i in indices]
     completions = generate(model, chosen, max_new_tokens=options.max_new_tokens, temperature=options.temperature,
                            seed=seed, stop_token_ids=list(options.stop_token_ids), mesh=mesh,
-                           num_samples=options.group_size, stats=stats, first_row=first_row)
+                           num_samples=options.group_size, first_row=first_row)
     n, g = len(completions), options.group_size
     tokens = np.zeros((n, seq_len), np.int32)
     segment_ids = np.zeros((n, seq_len), np.int32)
     loss_mask = np.zeros((n, seq_len), np.int32)
     sampler = np.zeros((n, seq_len), np.float32)
     rewards = np.zeros((n,), np.float64)
-    samples = []
     for j, c in enumerate(completions):
         prompt, done = chosen[c.prompt_index], c.completion_ids
         L, m = len(prompt), len(done)
@@ -102,11 +98,10 @@ def sample_rollouts(
         row = rows[indices[c.prompt_index]]
         sample = reward_sample(row, prompt, done, c.finish_reason, encoder)
         rewards[j] = call_reward(*reward, sample, f"{row['_source']} (sample {c.sample})")
-        samples.append({**sample, "reward": rewards[j]})
     advantages = group_advantages(rewards.reshape(n // g, g), options.advantage).reshape(n)
     batch = {"tokens": tokens, "segment_ids": segment_ids, "loss_mask": loss_mask,
              "advantages": advantages.astype(np.float32)}
     return Rollout(batch=batch, sampler_log_probs=sampler, rewards=rewards,
                    completion_lengths=np.array([len(c.completion_ids) for c in completions]),
                    truncated=np.array([c.finish_reason == "length" for c in completions]),
-                   samples=samples, stats=stats, seconds=time.perf_counter() - start)
+                   seconds=time.perf_counter() - start)

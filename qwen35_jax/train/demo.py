@@ -32,15 +32,21 @@ def corpus_dir() -> str:
     return os.path.join(cache, "qwen35-jax", "demo-corpus")
 
 
+def simulate_cpu_devices() -> None:
+    """CPU_DEVICES simulated devices on the CPU platform, unless XLA_FLAGS already says how many
+    (no effect on a GPU or TPU). Before jax is imported: the device count is read once."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={CPU_DEVICES}".strip()
+
+
 def demo_defaults() -> dict[str, Any]:
     """The demo's options, its corpus materialised (deterministic) and on 8 simulated CPU devices
     unless an accelerator is present. Call before jax is imported (the device count is read once)."""
     from qwen35_jax.data.demo import demo_corpus
 
     train_files, heldout_files, tokenizer = demo_corpus(corpus_dir())
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:  # affects the CPU platform only
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={CPU_DEVICES}".strip()
+    simulate_cpu_devices()
     import jax
     mesh = "fsdp=2,sp=4" if jax.default_backend() == "cpu" else None
     return {**DEMO_OPTIONS, "data": train_files, "eval_data": heldout_files, "tokenizer": tokenizer, "mesh": mesh}

@@ -118,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     from qwen35_bench.timing import time_side_by_side
 
     from qwen35_jax.generation import cache_bytes
+    from qwen35_jax.generation.api import PROMPT_MULTIPLE
+    from qwen35_jax.parallel.padding import padded_size
 
     ours, theirs, config = build_models(args)
     runs, stats = {}, {}
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
                "ours_tokens_per_s": batch * new / t["ours"]["median_s"],
                "ours_prefill_tokens_per_s": last.prompt_tokens / last.prefill_seconds,
                "ours_decode_tokens_per_s": last.generated_tokens / last.decode_seconds,
-               "cache_bytes": cache_bytes(config, batch, -(-prompt_len // 16) * 16 + new - 1)["total"]}
+               "cache_bytes": cache_bytes(config, batch, padded_size(prompt_len, PROMPT_MULTIPLE) + new - 1)["total"]}
         line = (f"{name}: {batch} rows x {prompt_len}-token prompt + {new} new: ours {row['ours_s']:.3f}s "
                 f"(prefill {row['ours_prefill_tokens_per_s']:,.0f} tokens/s, decode "
                 f"{row['ours_decode_tokens_per_s']:,.0f} tokens/s, cache {row['cache_bytes'] / 2**20:,.1f} MiB)")
