@@ -258,7 +258,6 @@ def is_skipped(name: str) -> bool:
 
 
 _FUSED_RE = re.compile(r"\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
-_PER_EXPERT_RE = re.compile(r"\.layers\.\d+\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$")
 
 
 def detect_layout(names: Iterable[str], config: Qwen35Config, raw_config: Mapping[str, Any], *,

@@ -33,7 +33,6 @@ ACT_BSD = P(FSDP, SP, None)  # hidden states [B, S, D]
 ACT_BSV = P(FSDP, SP, None)  # logits [B, S, V]
 HEADS_BSHD = P(FSDP, SP, None, None)  # per-head activations, sequence shards [B, S/sp, H, Dh]
 HEADS_BSH = P(FSDP, SP, None)  # per-head scalars, sequence shards [B, S/sp, H]
-REPLICATED = P()
 
 # Weights smaller than this many elements stay replicated: sharding them costs more than it saves.
 MIN_SHARDED_SIZE = 2**14
