@@ -22,9 +22,10 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.hf.export import is_lead_process, staged_dir, sync_processes
+from qwen35_jax.hf.export import staged_dir
 from qwen35_jax.hf.load import CONFIG_FILE, abstract_model, default_shardings, load_hf
 from qwen35_jax.hf.names import Layout
+from qwen35_jax.parallel.processes import is_lead_process, sync_processes
 
 FORMAT = "qwen35_jax"
 RUN_CHECKPOINTS = "checkpoints"  # a run directory's checkpoints/<step>/

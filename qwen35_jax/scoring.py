@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from qwen35_kernels import linear_logprob_entropy, sharded_linear_logprob_entropy
@@ -27,6 +26,7 @@ from tqdm import tqdm
 from qwen35_jax.labels import next_token_labels
 from qwen35_jax.parallel.mesh import FSDP, SP, TOKENS_BS, mesh_axis_size
 from qwen35_jax.parallel.padding import padded_size
+from qwen35_jax.parallel.processes import gather_rows
 from qwen35_jax.xla_options import compiler_options
 
 
@@ -99,13 +99,6 @@ def _row_batches(n_rows: int, batch_size: int | None) -> Iterator[slice]:
         yield slice(start, min(start + step, n_rows))
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-    """The whole global array on this host, also when other processes hold some of its shards."""
-    if jax.process_count() > 1:
-        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-    return np.asarray(jax.device_get(x))
-
-
 @functools.lru_cache(maxsize=16)
 def score_program(graphdef: nnx.GraphDef, kernels: KernelChoices, temperature: float, backend: str,
                    lm_head_mode: str) -> Any:
@@ -155,6 +148,6 @@ def score_batches(
             tok = jax.device_put(np.pad(tokens[rows].astype(np.int32), pad), data_sharding)
             seg = jax.device_put(np.pad(segment_ids[rows].astype(np.int32), pad), data_sharding)
             lp, ent = step(state, tok, seg)
-            log_probs[rows] = _to_host(lp)[:n, :seq]
-            entropy[rows] = _to_host(ent)[:n, :seq]
+            log_probs[rows] = gather_rows(lp)[:n, :seq]
+            entropy[rows] = gather_rows(ent)[:n, :seq]
     return log_probs, entropy

@@ -16,7 +16,6 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
@@ -26,6 +25,7 @@ from qwen35_jax.generation.programs import programs
 from qwen35_jax.generation.sampling import SamplingOptions
 from qwen35_jax.parallel.mesh import SP, mesh_axis_size
 from qwen35_jax.parallel.padding import padded_size
+from qwen35_jax.parallel.processes import gather_values
 
 PROMPT_MULTIPLE = 16  # prompt lengths are padded to a multiple of this (times sp): fewer compiled shapes
 
@@ -187,7 +187,7 @@ def _check_same_work_everywhere(batches: int, mesh: Mesh | None) -> None:
     """In a multi-process run every process runs each program together: the same number of batches."""
     if mesh is None or jax.process_count() == 1:
         return
-    counts = multihost_utils.process_allgather(np.int32(batches))
+    counts = gather_values(np.int32(batches))
     if len(set(np.asarray(counts).tolist())) != 1:
         raise ValueError(f"every process must generate the same number of batches, got {np.asarray(counts).tolist()}: "
                          "give each process as many prompts")
@@ -197,7 +197,7 @@ def _longest_everywhere(n: int, mesh: Mesh | None) -> int:
     """The longest prompt of this batch over every process (their prompt shapes must agree)."""
     if mesh is None or jax.process_count() == 1:
         return n
-    return int(np.max(multihost_utils.process_allgather(np.int32(n))))
+    return int(np.max(gather_values(np.int32(n))))
 
 
 def _put(x: np.ndarray, mesh: Mesh | None) -> Any:

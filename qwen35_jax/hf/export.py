@@ -28,6 +28,7 @@ from qwen35_jax.hf import names as N
 from qwen35_jax.hf.load import check_coverage, param_paths
 from qwen35_jax.hf.safetensors_io import (DTYPE_TO_NP, FLOAT_NAMES, INDEX_FILE, MAX_SHARD_BYTES, SINGLE_FILE,
                                           SafetensorsCheckpoint, TensorToWrite, write_checkpoint)
+from qwen35_jax.parallel.processes import is_lead_process, sync_processes
 
 _WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 
@@ -41,18 +42,6 @@ def check_new_output(out_dir: str) -> str:
     if not os.path.isdir(parent):
         raise ValueError(f"{parent}: parent directory of the output does not exist")
     return out_dir
-
-
-def is_lead_process() -> bool:
-    """Under jax.distributed only process 0 writes files (all processes see the same file system)."""
-    return jax.process_index() == 0
-
-
-def sync_processes(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
 
 
 def _shared_token() -> str:

@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from qwen35_jax.generation import generate
 from qwen35_jax.generation.prompts import (
@@ -31,6 +30,7 @@ from qwen35_jax.generation.prompts import (
     parse_stop_token_ids,
     stop_token_ids,
 )
+from qwen35_jax.parallel.processes import gather_rows
 from qwen35_jax.rl.prompt_stream import PromptStream, load_prompts
 from qwen35_jax.rl.reward_fn import RewardFn, call_reward, load_reward
 from qwen35_jax.rl.rollout import RolloutOptions, reward_sample, row_length, sample_rollouts
@@ -115,11 +115,6 @@ def _mismatch(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> jax.Ar
     return jnp.sum(jnp.abs(sampler - trainer) * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def _all_rows(x: np.ndarray) -> np.ndarray:
-    """Every process's rows of a per-completion host array, concatenated (this one's alone in one process)."""
-    return x if jax.process_count() == 1 else np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def _my_share(items: list[int], rl: OnlineRL) -> tuple[list[int], int]:
     """(this process's share of `items`, the position of its first one)."""
     per = len(items) // rl.shard_count
@@ -151,7 +146,7 @@ def rl_step(run: Any, step: int) -> tuple[dict[str, Any], int]:
         metrics = jax.device_get(metrics)
         applied += int(metrics["applied"])
     update_seconds = time.perf_counter() - start
-    rewards, lengths, truncated = (_all_rows(x) for x in (rollout.rewards, rollout.completion_lengths,
+    rewards, lengths, truncated = (gather_rows(x) for x in (rollout.rewards, rollout.completion_lengths,
                                                            rollout.truncated))
     metrics = {**metrics, "applied": float(applied == o.ppo_epochs), "updates_applied": applied,
                "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
@@ -177,5 +172,5 @@ def rl_evaluate(run: Any) -> dict[str, float]:
         i = min(mine[c.prompt_index], n - 1)
         sample = reward_sample(rl.eval_rows[i], rl.eval_prompts[i], c.completion_ids, c.finish_reason, rl.encoder)
         rewards[c.prompt_index] = call_reward(*rl.reward, sample, rl.eval_rows[i]["_source"])
-    counted = _all_rows(np.array([i < n for i in mine]))
-    return {"eval_reward": float(_all_rows(rewards)[counted].mean())}
+    counted = gather_rows(np.array([i < n for i in mine]))
+    return {"eval_reward": float(gather_rows(rewards)[counted].mean())}

@@ -93,7 +93,7 @@ class RunCheckpoints:
             shutil.move(os.path.join(self.directory, str(step)), target)
             print(f"warning: checkpoint {step} of {self.run_dir} does not restore ({reason}); moved it to "
                   f"{target} and resuming from the one before", file=sys.stderr, flush=True)
-        from qwen35_jax.hf.export import sync_processes
+        from qwen35_jax.parallel.processes import sync_processes
         sync_processes(f"qwen35_ckpt_aside_{step}")
         self.manager.reload()
 

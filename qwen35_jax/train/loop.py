@@ -23,7 +23,7 @@ from flax import nnx
 
 from qwen35_jax.checkpoint import _config_dict, load_checkpoint
 from qwen35_jax.config import SCAN_LAYERS_FLAGS, Qwen35Config
-from qwen35_jax.hf.export import is_lead_process, sync_processes
+from qwen35_jax.parallel.processes import is_lead_process, sync_processes
 from qwen35_jax.hf.load import abstract_model, default_shardings
 from qwen35_jax.kernel_choices import check_kernel_choices, explain_compile_failure, kernels_config
 from qwen35_jax.parallel.mesh import FSDP, init_distributed, make_mesh, mesh_axis_size

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.hf.export import is_lead_process, sync_processes
+from qwen35_jax.parallel.processes import is_lead_process, sync_processes
 from qwen35_jax.train.data import ArrayBatches, BatchStream, load_npy_dir, synthetic_data
 from qwen35_jax.train.options import TrainOptions
 
