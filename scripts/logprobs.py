@@ -13,15 +13,14 @@ document (--segment-ids) or is padding; entropy[b, t] is the entropy of softmax(
 """
 
 import argparse
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 from qwen35_kernels.choices import GDN_PRECISIONS
 
+from qwen35_jax.files import replaced_atomically
 from qwen35_jax.train.options import CHOICES
 
 
@@ -70,14 +69,8 @@ def load_int_array(path: Path, what: str) -> np.ndarray:
 
 def write_npz_atomically(out: Path, **arrays: np.ndarray) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.savez(f, **arrays)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with replaced_atomically(out, "wb") as f:
+        np.savez(f, **arrays)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +15,7 @@ from qwen35_jax.data.pipeline import packed_rows, stack_rows
 from qwen35_jax.data.prepared import FIELDS, NpyRowWriter, write_manifest
 from qwen35_jax.data.rows import RowEncoder, check_tokenizer, load_tokenizer
 from qwen35_jax.data.sources import JsonlLines, file_sha256, find_jsonl_files
+from qwen35_jax.files import staged_directory
 
 WRITE_ROWS = 256  # packed rows per write
 
@@ -58,13 +57,7 @@ def prepare_dataset(inputs: str | Sequence[str], out: str, *, tokenizer: str, se
     encoder = RowEncoder(tokenizer, vocab_size, loaded=loaded)
     rows, fit = packed_rows(lines, encoder, seq_len=seq_len, seed=seed, shuffle=True, epochs=1, shard_index=0,
                             shard_count=1, long_rows=long_rows, bad_rows=bad_rows, worker_count=worker_count)
-    parent = os.path.dirname(os.path.abspath(out))
-    os.makedirs(parent, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.", dir=parent)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(stage, 0o777 & ~umask)  # mkdtemp's 0700 would hide the dataset from other users
-    try:
+    with staged_directory(out) as stage:
         writers = {name: NpyRowWriter(os.path.join(stage, f"{name}.npy"), seq_len) for name in FIELDS}
         max_token_id, padding = 0, 0
         iterator = iter(rows)
@@ -93,10 +86,6 @@ def prepare_dataset(inputs: str | Sequence[str], out: str, *, tokenizer: str, se
             "counts": {"input_rows": len(lines), **fit.counts.to_dict(), "padding_tokens": padding},
         }
         write_manifest(stage, manifest)
-        os.rename(stage, out)
-    except BaseException:
-        shutil.rmtree(stage, ignore_errors=True)
-        raise
     return manifest
 
 

@@ -15,7 +15,7 @@ import sys
 import time
 from typing import Any
 
-from qwen35_jax.train.atomic_text import write_text_atomically
+from qwen35_jax.files import write_text_atomically
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

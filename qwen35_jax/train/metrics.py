@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from qwen35_jax.train.atomic_text import write_text_atomically
+from qwen35_jax.files import write_text_atomically
 
 METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"

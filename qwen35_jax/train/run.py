@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from qwen35_jax.train.atomic_text import write_text_atomically
+from qwen35_jax.files import write_text_atomically
 from qwen35_jax.train.options import RESUMABLE_CHANGES, TrainOptions, differences
 
 CONFIG_FILE = "config.yaml"

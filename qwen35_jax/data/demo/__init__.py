@@ -11,6 +11,7 @@ import random
 
 from qwen35_jax.data.demo.corpus import conversation, probes, story
 from qwen35_jax.data.demo.tokenizer import VOCAB_SIZE, build_demo_tokenizer
+from qwen35_jax.files import write_text_atomically
 
 __all__ = ["demo_corpus", "build_demo_tokenizer", "probes", "VOCAB_SIZE"]
 
@@ -19,11 +20,7 @@ TRAIN_SEED, HELDOUT_SEED = 1, 2
 
 
 def _write_jsonl(path: str, rows: list[dict]) -> str:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row) + "\n")
-    os.replace(tmp, path)
+    write_text_atomically(path, "".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
