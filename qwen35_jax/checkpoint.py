@@ -21,16 +21,15 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from qwen35_jax.config import Qwen35Config
+from qwen35_jax.config import DTYPES, Qwen35Config
 from qwen35_jax.hf.export import staged_dir
 from qwen35_jax.hf.load import CONFIG_FILE, abstract_model, default_shardings, load_hf
 from qwen35_jax.hf.names import Layout
 from qwen35_jax.parallel.processes import is_lead_process, sync_processes
+from qwen35_jax.run_layout import CHECKPOINTS_DIR, is_run_dir
 
 FORMAT = "qwen35_jax"
-RUN_CHECKPOINTS = "checkpoints"  # a run directory's checkpoints/<step>/
 VERSION = 1
-_DTYPES = ("float32", "bfloat16", "float16")
 HOST_GB_IN_FLIGHT = 1  # orbax copies arrays through host memory; cap what it holds at once (GB)
 
 
@@ -84,15 +83,10 @@ def is_checkpoint(path: str) -> bool:
     return os.path.isdir(os.path.join(path, "meta")) and os.path.isdir(os.path.join(path, "params"))
 
 
-def is_run_dir(path: str) -> bool:
-    """A training run directory (scripts/train.py --out): checkpoints under RUN/checkpoints/<step>."""
-    return os.path.isdir(os.path.join(path, RUN_CHECKPOINTS))
-
-
 def latest_run_checkpoint(run_dir: str) -> str | None:
     """The newest complete step directory of a run directory, or None. Orbax renames a step's
     directory to its number only once it is completely written."""
-    directory = os.path.join(run_dir, RUN_CHECKPOINTS)
+    directory = os.path.join(run_dir, CHECKPOINTS_DIR)
     steps = [int(n) for n in os.listdir(directory) if n.isdigit() and is_checkpoint(os.path.join(directory, n))]
     return os.path.join(directory, str(max(steps))) if steps else None
 
@@ -130,8 +124,8 @@ def load_checkpoint(path: str, *, dtype: str | None = None, mesh: jax.sharding.M
     """Restore one of our checkpoints (or a run directory's newest) straight into its target
     shardings: (model, config, metadata)."""
     path = resolve_checkpoint(os.path.abspath(os.fspath(path)))
-    if dtype is not None and dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {_DTYPES}, got {dtype!r}")
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     meta = read_metadata(path)
     config = Qwen35Config(**meta["config"])
     graphdef, params, rest = abstract_model(config)

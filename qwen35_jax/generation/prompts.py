@@ -15,8 +15,9 @@ from typing import Any
 
 import yaml
 
-from qwen35_jax.checkpoint import is_checkpoint, is_run_dir, read_metadata, resolve_checkpoint
+from qwen35_jax.checkpoint import is_checkpoint, read_metadata, resolve_checkpoint
 from qwen35_jax.data.rows import BadRow, load_tokenizer
+from qwen35_jax.run_layout import CONFIG_FILE, is_run_dir
 
 PROMPT_FIELDS = ("prompt_ids", "prompt", "messages")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -108,7 +109,7 @@ def run_dir_of(path: str) -> str | None:
 
 
 def run_options(run_dir: str) -> dict[str, Any]:
-    config = os.path.join(run_dir, "config.yaml")
+    config = os.path.join(run_dir, CONFIG_FILE)
     if not os.path.isfile(config):
         return {}
     with open(config) as f:

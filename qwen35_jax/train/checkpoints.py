@@ -21,10 +21,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from qwen35_jax.checkpoint import FORMAT, RUN_CHECKPOINTS, VERSION
-
-CHECKPOINTS = RUN_CHECKPOINTS
-DAMAGED = "damaged"
+from qwen35_jax.checkpoint import FORMAT, VERSION
+from qwen35_jax.run_layout import CHECKPOINTS_DIR, DAMAGED_DIR
 
 
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
@@ -41,7 +39,7 @@ class RunCheckpoints:
 
     def __init__(self, run_dir: str, *, keep: int):
         self.run_dir = os.path.abspath(run_dir)
-        self.directory = os.path.join(self.run_dir, CHECKPOINTS)
+        self.directory = os.path.join(self.run_dir, CHECKPOINTS_DIR)
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
         self.manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=_handlers())
 
@@ -85,7 +83,7 @@ class RunCheckpoints:
 
     def _set_aside(self, step: int, err: Exception) -> None:
         reason = str(err).strip().splitlines()[0][:200] if str(err).strip() else type(err).__name__
-        target = os.path.join(self.run_dir, DAMAGED, str(step))
+        target = os.path.join(self.run_dir, DAMAGED_DIR, str(step))
         if jax.process_index() == 0:
             os.makedirs(os.path.dirname(target), exist_ok=True)
             if os.path.exists(target):

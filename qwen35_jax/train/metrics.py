@@ -15,10 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from qwen35_jax.files import write_text_atomically
-
-METRICS_FILE = "metrics.jsonl"
-PLOT_FILE = "loss.png"
-REWARD_PLOT_FILE = "reward.png"
+from qwen35_jax.run_layout import METRICS_FILE, PLOT_FILE, REWARD_PLOT_FILE
 
 
 def read_metrics(run_dir: str) -> list[dict[str, Any]]:

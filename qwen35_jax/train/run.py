@@ -1,9 +1,7 @@
 """The run directory: its resolved options, whether it can be resumed, and how a run starts or resumes.
 
-    RUN/config.yaml      the resolved options of the run (TrainOptions), readable by --config
-    RUN/checkpoints/     RunCheckpoints (params, optimizer state, data position, step)
-    RUN/metrics.jsonl    one row per step;  RUN/events.*: TensorBoard;  RUN/loss.png at the end
-    RUN/synthetic/       the generated data of a --synthetic run (so that a resume sees the same rows)
+RUN/config.yaml holds the resolved options of the run (TrainOptions), readable by --config; the rest of
+the directory's layout is in `qwen35_jax.run_layout`.
 """
 
 from __future__ import annotations
@@ -15,9 +13,8 @@ from typing import Any
 import yaml
 
 from qwen35_jax.files import write_text_atomically
+from qwen35_jax.run_layout import CONFIG_FILE
 from qwen35_jax.train.options import RESUMABLE_CHANGES, TrainOptions, differences
-
-CONFIG_FILE = "config.yaml"
 
 
 def stored_options(run_dir: str) -> dict[str, Any] | None:
