@@ -53,7 +53,7 @@ def exact_answer(sample: dict[str, Any]) -> float:
 
 
 def reversed_digits(sample: dict[str, Any]) -> float:
-    """The RL demo's task (`qwen35_jax.rl.demo`): the completion should be the prompt's digits reversed,
+    """The RL demo's task (`qwen35_jax.demos.grpo`): the completion should be the prompt's digits reversed,
     then the end token. The row's `target` holds the answer's ids and `end_id` the end token's. 1.0 for
     the exact answer; otherwise, with the completion read up to its end token, half the share of digits
     in their right place, counted against the longer of the answer and the completion (extra digits

@@ -9,6 +9,7 @@ same way, and each device scores its own tokens inside `jax.shard_map` against t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -99,17 +100,25 @@ def _row_batches(n_rows: int, batch_size: int | None) -> Iterator[slice]:
         yield slice(start, min(start + step, n_rows))
 
 
+@dataclasses.dataclass(frozen=True)
+class ScoreOptions:
+    """How `score_tokens` computes log-probs: a training run's are its `StepOptions.scoring`, so its
+    step and everything it scores outside the step (old, reference, synthetic log-probs) agree."""
+    temperature: float = 1.0
+    backend: str = "auto"  # fused log-prob backend
+    lm_head_mode: str = "gather"  # gather | vocab_parallel
+
+
 @functools.lru_cache(maxsize=16)
-def score_program(graphdef: nnx.GraphDef, kernels: KernelChoices, temperature: float, backend: str,
-                   lm_head_mode: str) -> Any:
+def score_program(graphdef: nnx.GraphDef, kernels: KernelChoices, scoring: ScoreOptions) -> Any:
     """`score_tokens` jitted for one model graph, traced under its config's kernel choices:
     (state, tokens [B, S], segment_ids [B, S]) -> (log_probs, entropy) [B, S]. Kept, so that scoring
     again (every step of an online RL run) compiles nothing new for the same shapes."""
 
     def score(state: nnx.State, tok: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
         with kernels.traced():
-            return score_tokens(nnx.merge(graphdef, state), tok, seg, temperature=temperature, backend=backend,
-                                lm_head_mode=lm_head_mode)
+            return score_tokens(nnx.merge(graphdef, state), tok, seg, temperature=scoring.temperature,
+                                backend=scoring.backend, lm_head_mode=scoring.lm_head_mode)
 
     # the train step's XLA options
     return jax.jit(score, compiler_options=compiler_options(kernels.resolve().platform))
@@ -125,9 +134,11 @@ def score_batches(
     batch_size: int | None = None,
     backend: str = "auto",
     lm_head_mode: str = "gather",
+    scoring: ScoreOptions | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # (log_probs [B, S] float32, entropy [B, S] float32)
     """Score a host array in row batches; rows and positions are padded to fit the mesh and stripped.
-    Traced under the model config's kernel choices, as the train step is."""
+    Traced under the model config's kernel choices, as the train step is. `scoring` (a training
+    run's `StepOptions.scoring`), when given, replaces temperature, backend and lm_head_mode."""
     n_rows, seq = tokens.shape
     if segment_ids is None:
         segment_ids = np.ones_like(tokens)
@@ -136,7 +147,8 @@ def score_batches(
     data_sharding = NamedSharding(mesh, TOKENS_BS)
 
     graphdef, state = nnx.split(model)
-    step = score_program(graphdef, model.config.kernels, temperature, backend, lm_head_mode)
+    scoring = scoring or ScoreOptions(temperature, backend, lm_head_mode)
+    step = score_program(graphdef, model.config.kernels, scoring)
 
     log_probs = np.zeros(tokens.shape, np.float32)
     entropy = np.zeros(tokens.shape, np.float32)

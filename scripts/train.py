@@ -26,14 +26,14 @@ def main(argv: list[str] | None = None) -> int:
                 print("error: --demo takes sft (the default demo) or grpo, and nothing else", file=sys.stderr)
                 return 2
             if argv[1] == "grpo":
-                from qwen35_jax.rl.demo import run_demo
+                from qwen35_jax.demos.grpo import run_demo
                 try:
                     return run_demo(stop)
                 except ValueError as err:
                     print(f"error: {err}", file=sys.stderr)
                     return 2
             argv = []
-        from qwen35_jax.train import demo
+        from qwen35_jax.demos import sft as demo
         from qwen35_jax.train.options import TrainOptions, build_parser, given_values
 
         parser = build_parser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1])
@@ -41,8 +41,9 @@ def main(argv: list[str] | None = None) -> int:
             values = given_values(argv, parser)
             is_demo = demo.is_demo(values)
             options = TrainOptions(**({**demo.demo_defaults(), **values} if is_demo else values))
+            from qwen35_jax.objectives import objective_for
             from qwen35_jax.train.loop import train
-            code = train(options, stop)
+            code = train(options, stop, objective_for(options.objective))  # --objective picks what is trained
             if is_demo and code == 0 and stop.signal_name is None:
                 demo.report(options)
             return code

@@ -1,6 +1,7 @@
 """The import graph is the one docs/architecture.md draws: kernels are a leaf, `parallel/` never imports
-the layers or the model, and the library imports neither torch nor Pallas (kernels live in
-qwen35_kernels, torch-based benchmark helpers in scripts/bench/qwen35_bench)."""
+the layers or the model, the library imports neither torch nor Pallas (kernels live in
+qwen35_kernels, torch-based benchmark helpers in scripts/bench/qwen35_bench), `train/` imports neither
+`rl/` nor `generation/`, and no library module imports a demo."""
 
 from __future__ import annotations
 
@@ -49,3 +50,17 @@ def test_the_options_and_the_config_load_without_jax():
             "print(sorted(m for m in ('jax', 'flax') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.split() == ["[]"], out.stdout
+
+
+def test_train_imports_neither_rl_nor_generation():
+    # the loop knows objectives by their interface (train/objective.py); online GRPO lives in rl/
+    assert offenders(LIBRARY / "train", ("qwen35_jax.rl", "qwen35_jax.generation")) == []
+
+
+def test_no_library_module_imports_a_demo():
+    # the demos (scripts/train.py --demo) use the library; nothing in it uses them
+    found = [f"{path.relative_to(REPO)} imports {name}" for path in sorted(LIBRARY.rglob("*.py"))
+             if LIBRARY / "demos" not in path.parents
+             for name in sorted(imported_modules(path)) if name.startswith("qwen35_jax.demos")]
+    assert found == []
+    assert not (LIBRARY / "train" / "demo.py").exists() and not (LIBRARY / "rl" / "demo.py").exists()

@@ -2,6 +2,7 @@
 the trainer's log-probs agreeing, reward errors; and one GRPO update's loss and lm_head gradient
 against NumPy float64."""
 
+import dataclasses
 import json
 
 import jax
@@ -10,15 +11,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from qwen35_jax.checkpoint import load_checkpoint, save_checkpoint
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.generation.prompts import PromptEncoder
 from qwen35_jax.model import Qwen35ForCausalLM
 from qwen35_jax.parallel.mesh import make_mesh
-from qwen35_jax.rl.demo import task_rows
-from qwen35_jax.rl.online import step_seed
+from qwen35_jax.demos.grpo import task_rows
+from qwen35_jax.rl.online import OnlineGRPO, step_seed
+from qwen35_jax.rl.reference import REFERENCE_FILE
 from qwen35_jax.rl.rollout import RolloutOptions, row_length, sample_rollouts
 from qwen35_jax.scoring import score_batches
-from qwen35_jax.train.loop import train
+from qwen35_jax.objectives import train
+from qwen35_jax.train.loop import prepare
 from qwen35_jax.train.options import TrainOptions
 from qwen35_jax.train.step import StepOptions, _micro_sums, loss_mask_of
 
@@ -84,10 +88,47 @@ def test_a_reward_that_raises_stops_the_run_naming_function_and_row(tmp_path):
     ({"batch_size": 10}, "--batch-size 10 counts completions: it must be a multiple of --group-size 4"),
     ({"reward": "nowhere.py:f"}, "file nowhere.py not found"),
     ({"stop_token_ids": "3,x"}, "--stop-token-ids must be comma-separated integers"),
+    # a group of one has advantage 0 under grpo and drgrpo: refused rather than logging rewards that train nothing
+    ({"group_size": 1}, r"^--group-size 1: --advantage grpo compares the completions of one prompt, .* use "
+                        r"--group-size 2 or more$"),
+    ({"group_size": 1, "advantage": "drgrpo"}, "^--group-size 1: --advantage drgrpo compares"),
 ])
 def test_bad_grpo_options_are_one_line(tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
         train(_options(tmp_path, "x", **changes))
+
+
+def _leaves(params) -> list[np.ndarray]:
+    return [np.asarray(x) for x in jax.tree.leaves(params)]
+
+
+def test_the_kl_reference_is_fixed_when_the_run_starts(tmp_path):
+    """--model is resumable and a run directory resolves to its newest checkpoint: the reference is the
+    checkpoint recorded at the start, kept when that run trains further, and another --model is refused."""
+    config = Qwen35Config.preset("tiny")
+    sft = tmp_path / "sft"  # a run directory: --model resolves to its newest checkpoint
+    (sft / "checkpoints").mkdir(parents=True)
+    save_checkpoint(str(sft / "checkpoints" / "1"), Qwen35ForCausalLM(config, rngs=nnx.Rngs(1)), config)
+    options = _options(tmp_path, "rl", preset=None, model=str(sft), kl_coef=0.1, stop_token_ids="3", steps=1,
+                       save_every=1)
+    assert train(options) == 0
+    recorded = json.loads((tmp_path / "rl" / REFERENCE_FILE).read_text())
+    assert recorded == {"model": str(sft), "checkpoint": str(sft / "checkpoints" / "1")}
+
+    save_checkpoint(str(sft / "checkpoints" / "2"), Qwen35ForCausalLM(config, rngs=nnx.Rngs(2)), config)
+    run = prepare(dataclasses.replace(options, steps=2), OnlineGRPO())  # the SFT run has trained further
+    run.checkpoints.close()
+    mesh = run.mesh
+    first = nnx.state(load_checkpoint(str(sft / "checkpoints" / "1"), mesh=mesh)[0], nnx.Param)
+    for got, want in zip(_leaves(run.objective.ref_params), _leaves(nnx.to_pure_dict(first)), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+    other = tmp_path / "other"
+    save_checkpoint(str(other), Qwen35ForCausalLM(config, rngs=nnx.Rngs(3)), config)
+    with pytest.raises(ValueError, match=rf"^--model {other}: this run's KL reference is {sft}/checkpoints/1 "
+                                         rf"\(its starting point, .*{REFERENCE_FILE}\); resume with --model {sft} "
+                                         "or start a new --out$"):
+        prepare(dataclasses.replace(options, model=str(other), steps=2), OnlineGRPO())
 
 
 def test_grpo_update_loss_and_lm_head_gradient_match_numpy_float64():

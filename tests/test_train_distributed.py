@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from distributed_testutil import run_processes
 
-from qwen35_jax.train.loop import train
+from qwen35_jax.objectives import train
 from qwen35_jax.train.options import TrainOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def test_two_processes_train_like_one_and_their_checkpoint_resumes_in_one(tmp_pa
 def test_two_processes_run_grpo_like_one(tmp_path):
     """Online GRPO: each of 2 processes x 4 devices samples, scores and trains its own half of every
     step's prompts; the rewards and losses are those of 1 process x 8 devices."""
-    from qwen35_jax.rl.demo import task_rows
+    from qwen35_jax.demos.grpo import task_rows
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in task_rows(32, seed=0)))

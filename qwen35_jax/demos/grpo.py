@@ -83,13 +83,13 @@ def greedy_accuracy(run_dir: str, heldout: str, mesh: Any) -> tuple[float, list[
 
 def run_demo(stop: Any, out: str = OUT) -> int:
     """SFT, then GRPO; prints the held-out greedy accuracy of each. The process exit code."""
-    from qwen35_jax.train.demo import corpus_dir, simulate_cpu_devices
+    from qwen35_jax.demos.sft import corpus_dir, simulate_cpu_devices
 
     simulate_cpu_devices()
     import jax
 
+    from qwen35_jax.objectives import train
     from qwen35_jax.parallel.mesh import make_mesh
-    from qwen35_jax.train.loop import train
     from qwen35_jax.train.options import TrainOptions
 
     files = write_task(os.path.join(os.path.dirname(corpus_dir()), "digit-reversal"))

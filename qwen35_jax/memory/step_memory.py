@@ -15,16 +15,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
-from flax import nnx
 from jax.sharding import NamedSharding
 from qwen35_kernels.choices import DEFAULT_SEQUENCE_TILE
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.memory.targets import target_backend, target_devices, traced_for
 from qwen35_jax.model import scans_layers
-from qwen35_jax.parallel.mesh import make_mesh, state_shardings
-from qwen35_jax.train.optim import make_optimizer, make_schedule, opt_state_shardings
+from qwen35_jax.parallel.mesh import make_mesh
+from qwen35_jax.train.abstract_state import abstract_train_state
+from qwen35_jax.train.optim import make_optimizer, make_schedule
 from qwen35_jax.train.step import MICRO_BSS, StepOptions, make_train_step
 
 
@@ -43,22 +42,6 @@ class StepMemory:
     def total(self) -> int:
         """What the device holds at the peak: arguments + outputs + temporaries - aliased."""
         return self.arguments + self.outputs + self.temporaries - self.aliased
-
-
-def abstract_train_state(config: Qwen35Config, mesh: jax.sharding.Mesh,
-                         tx: optax.GradientTransformation) -> tuple[nnx.GraphDef, Any, Any]:
-    """(graphdef, params, opt_state): ShapeDtypeStructs with their ZeRO-3 shardings; nothing allocated."""
-    from qwen35_jax.model import Qwen35ForCausalLM
-
-    abstract = nnx.eval_shape(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)))
-    graphdef, params = nnx.split(abstract, nnx.Param)
-    params = nnx.to_pure_dict(params)
-    shardings = state_shardings(params, mesh)
-    params = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params, shardings)
-    opt_state = jax.eval_shape(tx.init, params)
-    opt_state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), opt_state,
-                             opt_state_shardings(opt_state, params, mesh))
-    return graphdef, params, opt_state
 
 
 def traced_platform(target: str | None) -> str:

@@ -1,4 +1,4 @@
-"""The online GRPO step inside the training loop (`scripts/train.py --objective grpo`):
+"""Online GRPO as a training objective (`scripts/train.py --objective grpo`). Each step:
 
 1. the next prompts (`PromptStream`), `--batch-size / --group-size` of them;
 2. `--group-size` completions each, sampled with the current parameters on the run's mesh (the
@@ -7,13 +7,16 @@
 3. the reward of every completion;
 4. advantages per group (`--advantage`);
 5. the old log-probs recomputed by the trainer's fused kernel on the sampled tokens (the sampler's own
-   are kept for `logprob_mismatch`), the reference's when --kl-coef > 0, then `--ppo-epochs` clipped
-   PPO updates, each over `--grad-accum` micro-batches.
+   are kept for `logprob_mismatch`), the reference's when --kl-coef > 0 (`reference.py`), then
+   `--ppo-epochs` clipped PPO updates, each over `--grad-accum` micro-batches.
+
+Sampling and scoring both take the run's `StepOptions` (temperature, log-prob backend, lm_head mode),
+so the old log-probs, the updates' and the sampler's agree on them.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import math
 import time
 from typing import Any
 
@@ -32,28 +35,16 @@ from qwen35_jax.generation.prompts import (
 )
 from qwen35_jax.parallel.processes import gather_rows
 from qwen35_jax.rl.prompt_stream import PromptStream, load_prompts
-from qwen35_jax.rl.reward_fn import RewardFn, call_reward, load_reward
+from qwen35_jax.rl.reference import kl_reference
+from qwen35_jax.rl.reward_fn import call_reward, load_reward
 from qwen35_jax.rl.rollout import RolloutOptions, reward_sample, row_length, sample_rollouts
 from qwen35_jax.scoring import score_program
 from qwen35_jax.train.data import place_batch
+from qwen35_jax.train.metrics import plot_reward
+from qwen35_jax.train.objective import Metrics, Objective, ObjectiveRun, RunSetup, TrainState, step_options_of
+from qwen35_jax.train.optim import Params
 from qwen35_jax.train.options import TrainOptions
-
-
-@dataclasses.dataclass
-class OnlineRL:
-    rows: list[dict[str, Any]]
-    prompts: list[list[int]]
-    stream: PromptStream
-    encoder: PromptEncoder
-    rollout: RolloutOptions
-    reward: tuple[RewardFn, str]
-    seq_len: int
-    graphdef: nnx.GraphDef
-    ref_params: Any  # the starting parameters (sharded), when --kl-coef > 0
-    eval_rows: list[dict[str, Any]]
-    eval_prompts: list[list[int]]
-    shard_index: int  # this process's share of every step's prompts (and of the batch's rows)
-    shard_count: int
+from qwen35_jax.train.step import StepOptions
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -61,47 +52,39 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 1_000_003 + step) % 2**31
 
 
-def check_grpo_options(options: TrainOptions) -> None:
-    """The checks of --objective grpo that need no devices; one-line ValueErrors."""
-    if not options.data or options.synthetic:
-        raise ValueError("--objective grpo needs --data: JSONL prompts (prompt_ids, prompt or messages per row)")
-    if options.batch_size is not None and options.batch_size % options.group_size:
-        raise ValueError(f"--batch-size {options.batch_size} counts completions: it must be a multiple of "
-                         f"--group-size {options.group_size}")
-    if options.stop_token_ids is not None:
-        parse_stop_token_ids(options.stop_token_ids)
-    parse_chat_template_kwargs(options.chat_template_kwargs)
-    load_reward(options.reward)  # a bad spec fails before anything is built
+class OnlineGRPO(Objective):
+    """--objective grpo: sample, reward, then the clipped surrogate (the "ppo" step) on the samples."""
+    name = "grpo"
+
+    def check(self, options: TrainOptions) -> None:
+        if not options.data or options.synthetic:
+            raise ValueError("--objective grpo needs --data: JSONL prompts (prompt_ids, prompt or messages per row)")
+        if options.group_size < 2:  # rloo is refused by the options themselves
+            raise ValueError(f"--group-size {options.group_size}: --advantage {options.advantage} compares the "
+                             "completions of one prompt, and a group of one gets advantage 0 (nothing trains); "
+                             "use --group-size 2 or more")
+        if options.batch_size is not None and options.batch_size % options.group_size:
+            raise ValueError(f"--batch-size {options.batch_size} counts completions: it must be a multiple of "
+                             f"--group-size {options.group_size}")
+        if options.stop_token_ids is not None:
+            parse_stop_token_ids(options.stop_token_ids)
+        parse_chat_template_kwargs(options.chat_template_kwargs)
+        load_reward(options.reward)  # a bad spec fails before anything is built
+
+    def default_batch_size(self, options: TrainOptions, fsdp: int) -> int:
+        return math.lcm(fsdp * options.grad_accum, options.group_size)
+
+    def updates_per_step(self, options: TrainOptions) -> int:
+        return options.ppo_epochs
+
+    def step_options(self, options: TrainOptions) -> StepOptions:
+        return step_options_of(options, "ppo")
+
+    def open(self, setup: RunSetup) -> ObjectiveRun:
+        return OnlineRun(setup)
 
 
-def open_online_rl(options: TrainOptions, *, vocab_size: int, batch_size: int, graphdef: nnx.GraphDef,
-                   ref_params: Any, shard_index: int, shard_count: int) -> OnlineRL:
-    """The prompts, reward, tokenizer and stop ids of a run. Each of the `shard_count` processes (each
-    holding its own rows of every batch) samples its `shard_index`-th share of every step's prompts."""
-    per_step = batch_size // options.group_size
-    if shard_count != jax.process_count() or per_step % shard_count:
-        raise ValueError(f"--objective grpo splits each step's {per_step} prompts over the processes, each sampling "
-                         f"and training its own rows: put fsdp across processes (this mesh gives {shard_count} "
-                         f"row shards for {jax.process_count()} processes) and make the prompts per step a "
-                         f"multiple of them")
-    tokenizer, tokenizer_dir = model_tokenizer(options.model, options.tokenizer)
-    encoder = PromptEncoder(tokenizer, vocab_size, tokenizer_source=tokenizer_dir,
-                            chat_template_kwargs=parse_chat_template_kwargs(options.chat_template_kwargs))
-    rows, prompts = load_prompts(options.data, encoder)
-    eval_rows, eval_prompts = load_prompts(options.eval_data, encoder) if options.eval_data else ([], [])
-    stop = stop_token_ids(options.stop_token_ids, options.model, tokenizer)
-    rollout = RolloutOptions(group_size=options.group_size, max_new_tokens=options.max_new_tokens,
-                             temperature=options.temperature, advantage=options.advantage,
-                             stop_token_ids=tuple(stop))
-    stream = PromptStream(len(rows), batch_size // options.group_size, seed=options.seed)
-    return OnlineRL(rows=rows, prompts=prompts, stream=stream, encoder=encoder, rollout=rollout,
-                    reward=load_reward(options.reward), seq_len=row_length(prompts + eval_prompts,
-                                                                            options.max_new_tokens),
-                    graphdef=graphdef, ref_params=ref_params, eval_rows=eval_rows, eval_prompts=eval_prompts,
-                    shard_index=shard_index, shard_count=shard_count)
-
-
-def _log_probs(program: Any, params: Any, tokens: jax.Array, segment_ids: jax.Array) -> jax.Array:
+def _log_probs(program: Any, params: Params, tokens: jax.Array, segment_ids: jax.Array) -> jax.Array:
     """The trainer's log-probs [K, b, S] of the placed batch's tokens and segment ids [K, b, S], by
     `scoring.score_program` (the fused kernel, as the train step computes them)."""
     k, b, s = tokens.shape
@@ -115,62 +98,108 @@ def _mismatch(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> jax.Ar
     return jnp.sum(jnp.abs(sampler - trainer) * m) / jnp.maximum(jnp.sum(m), 1.0)
 
 
-def _my_share(items: list[int], rl: OnlineRL) -> tuple[list[int], int]:
-    """(this process's share of `items`, the position of its first one)."""
-    per = len(items) // rl.shard_count
-    start = rl.shard_index * per
-    return items[start:start + per], start
+class OnlineRun(ObjectiveRun):
+    """The prompts, reward, tokenizer, stop ids and KL reference of one run. Each of the `shard_count`
+    processes (each holding its own rows of every batch) samples its `shard_index`-th share of every
+    step's prompts."""
 
+    def __init__(self, setup: RunSetup):
+        options = setup.options
+        per_step = setup.batch_size // options.group_size
+        if setup.shard_count != jax.process_count() or per_step % setup.shard_count:
+            raise ValueError(f"--objective grpo splits each step's {per_step} prompts over the processes, each "
+                             f"sampling and training its own rows: put fsdp across processes (this mesh gives "
+                             f"{setup.shard_count} row shards for {jax.process_count()} processes) and make the "
+                             f"prompts per step a multiple of them")
+        self.options, self.mesh, self.graphdef = options, setup.mesh, setup.graphdef
+        self.shard_index, self.shard_count = setup.shard_index, setup.shard_count
+        self.step_options = setup.step_options
+        tokenizer, tokenizer_dir = model_tokenizer(options.model, options.tokenizer)
+        self.encoder = PromptEncoder(tokenizer, setup.config.vocab_size, tokenizer_source=tokenizer_dir,
+                                     chat_template_kwargs=parse_chat_template_kwargs(options.chat_template_kwargs))
+        self.rows, self.prompts = load_prompts(options.data, self.encoder)
+        self.eval_rows, self.eval_prompts = (load_prompts(options.eval_data, self.encoder) if options.eval_data
+                                             else ([], []))
+        stop = stop_token_ids(options.stop_token_ids, options.model, tokenizer)
+        self.rollout = RolloutOptions(group_size=options.group_size, max_new_tokens=options.max_new_tokens,
+                                      temperature=setup.step_options.temperature, advantage=options.advantage,
+                                      stop_token_ids=tuple(stop))
+        self.stream = PromptStream(len(self.rows), per_step, seed=options.seed)
+        self.reward = load_reward(options.reward)
+        self.seq_len = row_length(self.prompts + self.eval_prompts, options.max_new_tokens)
+        self.score = score_program(setup.graphdef, setup.config.kernels, setup.step_options.scoring)
+        self.ref_params = kl_reference(setup) if options.kl_coef > 0 else None
 
-def rl_step(run: Any, step: int) -> tuple[dict[str, Any], int]:
-    """One online step on `run` (a `train.loop.Run`): (metrics, row length). Updates run.params and
-    run.opt_state."""
-    rl, o = run.rl, run.options
-    indices, first = _my_share(rl.stream.next_prompts(), rl)
-    model = nnx.merge(rl.graphdef, run.params)
-    rollout = sample_rollouts(model, rl.rows, rl.prompts, indices, options=rl.rollout,
-                              seed=step_seed(o.seed, step), mesh=run.mesh, reward=rl.reward, encoder=rl.encoder,
-                              seq_len=rl.seq_len, first_row=first)
-    start = time.perf_counter()
-    placed = place_batch({**rollout.batch, "sampler_log_probs": rollout.sampler_log_probs}, run.mesh, o.grad_accum,
-                         run.shard_count)
-    sampler = placed.pop("sampler_log_probs")
-    score = score_program(rl.graphdef, run.config.kernels, o.temperature, o.logprob_backend, o.lm_head)
-    placed["old_log_probs"] = _log_probs(score, run.params, placed["tokens"], placed["segment_ids"])
-    mismatch = float(_mismatch(sampler, placed["old_log_probs"], placed["loss_mask"]))
-    if o.kl_coef > 0:
-        placed["ref_log_probs"] = _log_probs(score, rl.ref_params, placed["tokens"], placed["segment_ids"])
-    applied = 0
-    for _ in range(o.ppo_epochs):
-        run.params, run.opt_state, metrics = run.train_step(run.params, run.opt_state, placed)
-        metrics = jax.device_get(metrics)
-        applied += int(metrics["applied"])
-    update_seconds = time.perf_counter() - start
-    rewards, lengths, truncated = (gather_rows(x) for x in (rollout.rewards, rollout.completion_lengths,
-                                                           rollout.truncated))
-    metrics = {**metrics, "applied": float(applied == o.ppo_epochs), "updates_applied": applied,
-               "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
-               "response_length_mean": float(lengths.mean()), "truncated_fraction": float(truncated.mean()),
-               "logprob_mismatch": mismatch, "rollout_seconds": rollout.seconds, "update_seconds": update_seconds,
-               "rollout_tokens_per_sec": float(lengths.sum()) / max(rollout.seconds, 1e-9),
-               "update_tokens_per_sec": o.ppo_epochs * float(metrics["batch_tokens"]) / max(update_seconds, 1e-9)}
-    return metrics, rl.seq_len
+    @property
+    def evaluates(self) -> bool:
+        return bool(self.eval_prompts)
 
+    def _my_share(self, items: list[int]) -> tuple[list[int], int]:
+        """(this process's share of `items`, the position of its first one)."""
+        per = len(items) // self.shard_count
+        start = self.shard_index * per
+        return items[start:start + per], start
 
-def rl_evaluate(run: Any) -> dict[str, float]:
-    """Greedy mean reward on the --eval-data prompts, each process taking an equal share (the last
-    prompt repeated to fill the shares, and counted once)."""
-    rl = run.rl
-    n = len(rl.eval_prompts)
-    per = -(-n // rl.shard_count)
-    mine = list(range(rl.shard_index * per, (rl.shard_index + 1) * per))
-    out = generate(nnx.merge(rl.graphdef, run.params), [rl.eval_prompts[min(i, n - 1)] for i in mine],
-                   max_new_tokens=rl.rollout.max_new_tokens, temperature=0,
-                   stop_token_ids=list(rl.rollout.stop_token_ids), mesh=run.mesh)
-    rewards = np.zeros(per)
-    for c in out:
-        i = min(mine[c.prompt_index], n - 1)
-        sample = reward_sample(rl.eval_rows[i], rl.eval_prompts[i], c.completion_ids, c.finish_reason, rl.encoder)
-        rewards[c.prompt_index] = call_reward(*rl.reward, sample, rl.eval_rows[i]["_source"])
-    counted = gather_rows(np.array([i < n for i in mine]))
-    return {"eval_reward": float(gather_rows(rewards)[counted].mean())}
+    def step(self, state: TrainState, step: int) -> tuple[Metrics, int]:
+        o = self.options
+        indices, first = self._my_share(self.stream.next_prompts())
+        rollout = sample_rollouts(nnx.merge(self.graphdef, state.params), self.rows, self.prompts, indices,
+                                  options=self.rollout, seed=step_seed(o.seed, step), mesh=self.mesh,
+                                  reward=self.reward, encoder=self.encoder, seq_len=self.seq_len, first_row=first)
+        start = time.perf_counter()
+        placed = place_batch({**rollout.batch, "sampler_log_probs": rollout.sampler_log_probs}, self.mesh,
+                             o.grad_accum, self.shard_count)
+        sampler = placed.pop("sampler_log_probs")
+        placed["old_log_probs"] = _log_probs(self.score, state.params, placed["tokens"], placed["segment_ids"])
+        mismatch = float(_mismatch(sampler, placed["old_log_probs"], placed["loss_mask"]))
+        if self.ref_params is not None:
+            placed["ref_log_probs"] = _log_probs(self.score, self.ref_params, placed["tokens"], placed["segment_ids"])
+        applied = 0
+        for _ in range(o.ppo_epochs):
+            state.params, state.opt_state, metrics = state.train_step(state.params, state.opt_state, placed)
+            metrics = jax.device_get(metrics)
+            applied += int(metrics["applied"])
+        update_seconds = time.perf_counter() - start
+        rewards, lengths, truncated = (gather_rows(x) for x in (rollout.rewards, rollout.completion_lengths,
+                                                                 rollout.truncated))
+        metrics = {**metrics, "applied": float(applied == o.ppo_epochs), "updates_applied": applied,
+                   "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                   "response_length_mean": float(lengths.mean()), "truncated_fraction": float(truncated.mean()),
+                   "logprob_mismatch": mismatch, "rollout_seconds": rollout.seconds,
+                   "update_seconds": update_seconds,
+                   "rollout_tokens_per_sec": float(lengths.sum()) / max(rollout.seconds, 1e-9),
+                   "update_tokens_per_sec": o.ppo_epochs * float(metrics["batch_tokens"]) / max(update_seconds, 1e-9)}
+        return metrics, self.seq_len
+
+    def evaluate(self, params: Params) -> dict[str, float]:
+        """Greedy mean reward on the --eval-data prompts, each process taking an equal share (the last
+        prompt repeated to fill the shares, and counted once)."""
+        n = len(self.eval_prompts)
+        per = -(-n // self.shard_count)
+        mine = list(range(self.shard_index * per, (self.shard_index + 1) * per))
+        out = generate(nnx.merge(self.graphdef, params), [self.eval_prompts[min(i, n - 1)] for i in mine],
+                       max_new_tokens=self.rollout.max_new_tokens, temperature=0,
+                       stop_token_ids=list(self.rollout.stop_token_ids), mesh=self.mesh)
+        rewards = np.zeros(per)
+        for c in out:
+            i = min(mine[c.prompt_index], n - 1)
+            sample = reward_sample(self.eval_rows[i], self.eval_prompts[i], c.completion_ids, c.finish_reason,
+                                   self.encoder)
+            rewards[c.prompt_index] = call_reward(*self.reward, sample, self.eval_rows[i]["_source"])
+        counted = gather_rows(np.array([i < n for i in mine]))
+        return {"eval_reward": float(gather_rows(rewards)[counted].mean())}
+
+    def get_state(self) -> dict[str, Any]:
+        return self.stream.get_state()
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.stream.set_state(state)
+
+    def epoch(self) -> float:
+        return float(self.stream.epoch)  # completed passes over the prompts
+
+    def plots(self, run_dir: str) -> list[str]:
+        return [p for p in (plot_reward(run_dir),) if p]
+
+    def summary(self, trained: list[Metrics]) -> str:
+        return f", sampled reward {trained[0]['reward_mean']:.3f} -> {trained[-1]['reward_mean']:.3f}"

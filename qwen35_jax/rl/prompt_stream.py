@@ -26,14 +26,13 @@ def load_prompts(paths: list[str], encoder: PromptEncoder) -> tuple[list[dict[st
 
 class PromptStream:
     """`next_prompts()` -> the next `per_step` indices into the rows, in a per-epoch permutation of
-    `seed`; `get_state` / `set_state` for checkpoints (a BatchStream's resumable part)."""
+    `seed`; `get_state` / `set_state` for checkpoints."""
 
     def __init__(self, n_rows: int, per_step: int, *, seed: int, shuffle: bool = True):
         if n_rows < 1:
             raise ValueError("no prompts")
         self.n_rows, self.per_step, self.seed, self.shuffle = n_rows, per_step, seed, shuffle
         self.epoch, self.index = 0, 0
-        self.seq_len = 0  # BatchStream's field; rollouts size their own rows
 
     def _order(self, epoch: int) -> np.ndarray:
         if not self.shuffle:
@@ -59,9 +58,3 @@ class PromptStream:
 
     def set_state(self, state: dict[str, Any]) -> None:
         self.epoch, self.index = int(state["epoch"]), int(state["index"])
-
-    def summary(self) -> dict[str, Any]:
-        return {"prompts": self.n_rows, "per_step": self.per_step}
-
-    def close(self) -> None:
-        pass

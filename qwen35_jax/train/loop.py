@@ -1,7 +1,11 @@
 """The training run: open or resume the run directory, build model, data and optimizer, train, save.
 
-    run = prepare(options)       # checks, mesh, model (fresh or restored), data, optimizer, jitted step
-    train(options)               # prepare + the loop: step, log, evaluate, checkpoint, stop on signals
+    run = prepare(options, objective)   # checks, mesh, model (fresh or restored), optimizer, jitted step,
+                                        # and the objective's side: batch source, step, evaluation
+    train(options, stop, objective)     # prepare + the loop: step, log, evaluate, checkpoint, stop on signals
+
+What is trained is the `Objective` (`train.objective`): SFT and offline PPO by default, any other (online
+GRPO: `qwen35_jax.objectives.objective_for`) passed in.
 
 A run stops at `--steps`, on SIGTERM/SIGINT (after the current step, with a checkpoint), or after
 `--max-bad-steps` non-finite steps in a row (without a checkpoint: the newest one is the last good state).
@@ -11,33 +15,33 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import os
 import statistics
 import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.checkpoint import _config_dict, load_checkpoint
 from qwen35_jax.config import SCAN_LAYERS_FLAGS, Qwen35Config
 from qwen35_jax.parallel.processes import is_lead_process, sync_processes
-from qwen35_jax.hf.load import abstract_model, default_shardings
+from qwen35_jax.hf.load import abstract_model
 from qwen35_jax.kernel_choices import check_kernel_choices, explain_compile_failure, kernels_config
 from qwen35_jax.parallel.mesh import FSDP, init_distributed, make_mesh, mesh_axis_size
+from qwen35_jax.train.abstract_state import abstract_train_state
 from qwen35_jax.train.checkpoints import RunCheckpoints
-from qwen35_jax.train.data import BatchStream, check_batch_size, place_batch, process_slice
+from qwen35_jax.train.data import check_batch_size, process_slice
 from qwen35_jax.train.flops import peak_tflops, train_flops
-from qwen35_jax.train.metrics import MetricsLog, Progress, plot_loss, plot_reward
-from qwen35_jax.train.optim import init_opt_state, make_optimizer, make_schedule, opt_state_shardings
+from qwen35_jax.train.metrics import MetricsLog, Progress, plot_loss
+from qwen35_jax.train.objective import Objective, ObjectiveRun, RunSetup
+from qwen35_jax.train.offline import OFFLINE, OfflineObjective
+from qwen35_jax.train.optim import init_opt_state, make_optimizer, make_schedule
 from qwen35_jax.train.options import TrainOptions, flag
 from qwen35_jax.train.remat_choice import make_config_train_step
 from qwen35_jax.train.run import open_run_dir, write_config
 from qwen35_jax.train.signals import StopRequest
-from qwen35_jax.train.sources import open_eval_stream, open_train_stream
-from qwen35_jax.train.step import StepOptions, finish_eval, make_eval_step
+from qwen35_jax.train.step import StepOptions
 
 EXIT_BAD_STEPS = 3
 
@@ -57,25 +61,24 @@ class Run:
     opt_state: Any
     schedule: Any
     train_step: Any
-    eval_step: Any
-    stream: BatchStream
-    eval_stream: BatchStream | None
-    eval_batches: int
+    step_options: StepOptions  # what the step computes; scoring outside it takes its `.scoring`
+    objective: ObjectiveRun  # batch source, step, evaluation, checkpointed position
     checkpoints: RunCheckpoints
-    shard_count: int
     batch_size: int
     start_step: int = 0
     skipped_steps: int = 0
     applied_updates: int = 0
-    eval_start: dict[str, Any] | None = None  # the eval stream's position before its first batch
-    rl: Any = None  # the online RL state (`qwen35_jax.rl.online.OnlineRL`) of --objective grpo
-
-    @property
-    def evaluates(self) -> bool:
-        return self.eval_stream is not None or bool(self.rl is not None and self.rl.eval_prompts)
 
 
-def check_options(options: TrainOptions) -> None:
+def default_objective(options: TrainOptions) -> Objective:
+    """The objective of `options` that `train/` implements itself (sft, ppo)."""
+    if options.objective not in OFFLINE:
+        raise ValueError(f"--objective {options.objective} is not one the trainer implements itself: pass its "
+                         "Objective (qwen35_jax.objectives.objective_for picks every one by name)")
+    return OfflineObjective(options.objective)
+
+
+def check_options(options: TrainOptions, objective: Objective | None = None) -> None:
     """The checks that need no devices; one-line ValueErrors."""
     if options.out is None:
         raise ValueError("--out is required: the run directory")
@@ -88,13 +91,15 @@ def check_options(options: TrainOptions) -> None:
     for path in options.data + options.eval_data:
         if not os.path.exists(path):
             raise ValueError(f"data not found: {path}")
-    if options.objective == "grpo":
-        from qwen35_jax.rl.online import check_grpo_options
-        check_grpo_options(options)
+    objective = objective or default_objective(options)
+    if objective.name != options.objective:
+        raise ValueError(f"--objective {options.objective}, but the run was given the {objective.name} objective")
+    objective.check(options)
 
 
 def _start_model(options: TrainOptions, mesh: jax.sharding.Mesh) -> tuple[Qwen35Config, Any, dict[str, Any]]:
-    """(config, sharded params as a pure dict, checkpoint metadata) of the starting point."""
+    """(config, sharded params as a pure dict, checkpoint metadata) of the starting point: --model's
+    checkpoint (a run directory's newest), else the --preset init of --seed."""
     if options.preset is not None:
         from qwen35_jax.model import Qwen35ForCausalLM
         from qwen35_jax.parallel.mesh import create_sharded
@@ -123,35 +128,27 @@ def _runtime_config(config: Qwen35Config, options: TrainOptions) -> Qwen35Config
                           gdn_precision=options.gdn_precision)
 
 
-def _abstract_params(config: Qwen35Config, mesh: jax.sharding.Mesh) -> Any:
-    _, params, _ = abstract_model(config)
-    abstract = nnx.to_pure_dict(params)
-    shardings = default_shardings(abstract, mesh)
-    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
-
-
 def _default_compute_dtype() -> str:
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
-def prepare(options: TrainOptions) -> Run:
-    """Check the options and the run directory, then build (or restore) everything for the loop."""
-    check_options(options)
+def prepare(options: TrainOptions, objective: Objective | None = None) -> Run:
+    """Check the options and the run directory, then build (or restore) everything for the loop.
+    `objective`: what is trained (default: `default_objective(options)`)."""
+    objective = objective or default_objective(options)
+    check_options(options, objective)
     options, resuming = open_run_dir(options.out, options)  # refuses another run before anything is written
     init_distributed()  # before anything asks jax for its backend
     check_kernel_choices(options.attention, options.compute_dtype or _default_compute_dtype())
     mesh = make_mesh(options.mesh)
     fsdp = mesh_axis_size(mesh, FSDP)
-    online = options.objective == "grpo"
-    batch_size = options.batch_size or (math.lcm(fsdp * options.grad_accum, options.group_size) if online
-                                        else fsdp * options.grad_accum)
+    batch_size = options.batch_size or objective.default_batch_size(options, fsdp)
     check_batch_size(batch_size, fsdp, options.grad_accum)
     options = dataclasses.replace(  # resolved defaults are stored, so a resume on another mesh keeps them
         options, batch_size=batch_size, schedule_steps=options.total_schedule_steps,
         compute_dtype=options.compute_dtype or _default_compute_dtype())
 
-    # the schedule counts optimizer updates: --ppo-epochs of them per online step
-    updates_per_step = options.ppo_epochs if online else 1
+    updates_per_step = objective.updates_per_step(options)  # the schedule counts optimizer updates
     schedule = make_schedule(options.lr, options.total_schedule_steps * updates_per_step,
                              options.warmup_steps * updates_per_step, options.final_lr_ratio)
     tx = make_optimizer(schedule, weight_decay=options.weight_decay, clip_norm=options.clip_norm,
@@ -161,10 +158,7 @@ def prepare(options: TrainOptions) -> Run:
     stored_config = checkpoints.model_config() if checkpoints is not None else None
     if stored_config is not None:
         config = Qwen35Config(**stored_config)
-        abstract = _abstract_params(config, mesh)
-        abstract_opt = jax.eval_shape(tx.init, abstract)
-        abstract_opt = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_opt,
-                                    opt_state_shardings(abstract_opt, abstract, mesh))
+        _, abstract, abstract_opt = abstract_train_state(config, mesh, tx)
         restored = checkpoints.restore_latest(abstract, abstract_opt)
     if restored is not None:
         start_step, params, opt_state, meta = restored
@@ -186,62 +180,30 @@ def prepare(options: TrainOptions) -> Run:
         checkpoints = RunCheckpoints(options.out, keep=options.keep)
 
     shard_index, shard_count = process_slice(mesh, batch_size, options.grad_accum)
-    step_options = StepOptions(
-        objective="ppo" if online else options.objective, temperature=options.temperature, clip_low=options.clip_ratio,
-        clip_high=options.clip_ratio_high, entropy_coef=options.entropy_coef, kl_coef=options.kl_coef,
-        kl_estimator=options.kl_estimator, backend=options.logprob_backend, lm_head_mode=options.lm_head)
+    step_options = objective.step_options(options)
     graphdef, _, _ = abstract_model(config)
-    rl = None
-    if online:
-        from qwen35_jax.rl.online import open_online_rl
-        ref_params = None
-        if options.kl_coef > 0:  # the starting weights, sharded like the trained ones
-            ref_params = _start_model(options, mesh)[1] if restored is not None else jax.tree.map(jnp.copy, params)
-        rl = open_online_rl(options, vocab_size=config.vocab_size, batch_size=batch_size, graphdef=graphdef,
-                            ref_params=ref_params, shard_index=shard_index, shard_count=shard_count)
-        stream, eval_stream, eval_batches = rl.stream, None, 0
-    else:
-        stream = open_train_stream(options, config=config, mesh=mesh, batch_size=batch_size,
-                                   shard_index=shard_index, shard_count=shard_count,
-                                   fields=step_options.required_fields(), graphdef=graphdef, params=params)
-        eval_stream, eval_batches = open_eval_stream(options, config=config, batch_size=batch_size,
-                                                     shard_index=shard_index, shard_count=shard_count,
-                                                     fields=step_options.required_fields())
-    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+    source = objective.open(RunSetup(
+        options=options, mesh=mesh, config=config, graphdef=graphdef, params=params, step_options=step_options,
+        batch_size=batch_size, shard_index=shard_index, shard_count=shard_count, restored=restored is not None,
+        start_params=lambda model: _start_model(dataclasses.replace(options, model=model), mesh)[1]))
     train_step = make_config_train_step(config, tx, step_options,
-                                        (param_shardings, jax.tree.map(lambda x: x.sharding, opt_state)),
+                                        (jax.tree.map(lambda x: x.sharding, params),
+                                         jax.tree.map(lambda x: x.sharding, opt_state)),
                                         log=functools.partial(print, flush=True) if is_lead_process() else None)
-    eval_step = make_eval_step(graphdef, step_options, kernels=config.kernels)
     run = Run(options=options, mesh=mesh, config=config, meta=meta, params=params, opt_state=opt_state,
-              schedule=schedule, train_step=train_step, eval_step=eval_step,
-              stream=stream, eval_stream=eval_stream, eval_batches=eval_batches, checkpoints=checkpoints,
-              shard_count=shard_count, batch_size=batch_size, start_step=start_step, rl=rl)
+              schedule=schedule, train_step=train_step, step_options=step_options, objective=source,
+              checkpoints=checkpoints, batch_size=batch_size, start_step=start_step)
     if restored is not None:
         state = meta["train"]
-        stream.set_state(state["data_state"])
+        source.set_state(state["data_state"])
         run.skipped_steps, run.applied_updates = state["skipped_steps"], state["applied_updates"]
     return run
 
 
 def save(run: Run, step: int) -> None:
-    train_state = {"step": step, "data_state": run.stream.get_state(), "skipped_steps": run.skipped_steps,
+    train_state = {"step": step, "data_state": run.objective.get_state(), "skipped_steps": run.skipped_steps,
                    "applied_updates": run.applied_updates, "seed": run.options.seed}
     run.checkpoints.save(step, run.params, run.opt_state, {**run.meta, "train": train_state})
-
-
-def evaluate(run: Run) -> dict[str, float]:
-    """Held-out token means over the first `eval_batches` batches of --eval-data (the same each time);
-    online RL: the greedy mean reward on the --eval-data prompts."""
-    if run.rl is not None:
-        from qwen35_jax.rl.online import rl_evaluate
-        return rl_evaluate(run)
-    run.eval_stream.set_state(run.eval_start)
-    totals: dict[str, float] = {}
-    for _ in range(run.eval_batches):
-        batch = place_batch(run.eval_stream.next_batch(), run.mesh, run.options.grad_accum, run.shard_count)
-        for name, value in jax.device_get(run.eval_step(run.params, batch)).items():
-            totals[name] = totals.get(name, 0.0) + float(value)
-    return {f"eval_{name}": value for name, value in finish_eval(totals).items()}
 
 
 def _row(run: Run, step: int, metrics: dict[str, Any], seconds: float, lr: float, peak: float | None,
@@ -249,21 +211,16 @@ def _row(run: Run, step: int, metrics: dict[str, Any], seconds: float, lr: float
     row = {"step": step, **{k: float(v) for k, v in metrics.items()}, "lr": lr,
            "tokens_per_sec": float(metrics["batch_tokens"]) / seconds,
            "mfu": flops / seconds / (peak * 1e12 * run.mesh.size) if peak else None,
-           "skipped_steps": run.skipped_steps, "epoch": float(getattr(run.stream, "epoch", 0.0)),
+           "skipped_steps": run.skipped_steps, "epoch": run.objective.epoch(),
            "step_seconds": seconds, "time": time.time()}
     return row
 
 
 def _one_step(run: Run, step: int) -> tuple[dict[str, Any], int]:
-    """(metrics, padded row length) of one optimizer step on the next batch (online RL: one step of
-    sampling, rewards and --ppo-epochs updates)."""
+    """(metrics, padded row length) of optimizer step `step`, the objective's (one update on the next
+    batch, or online: sampling, rewards and --ppo-epochs updates)."""
     try:
-        if run.rl is not None:
-            from qwen35_jax.rl.online import rl_step
-            return rl_step(run, step)
-        batch = place_batch(run.stream.next_batch(), run.mesh, run.options.grad_accum, run.shard_count)
-        run.params, run.opt_state, metrics = run.train_step(run.params, run.opt_state, batch)
-        return jax.device_get(metrics), batch["tokens"].shape[-1]
+        return run.objective.step(run, step)
     except Exception as err:
         first = step == run.start_step + 1
         hint = explain_compile_failure(err, attention=run.options.attention,
@@ -282,7 +239,6 @@ def loop(run: Run, stop: StopRequest) -> int:
         print(f"resuming {options.out} from step {run.start_step}", flush=True)
     if lead and peak is None and run.start_step < options.steps:
         print(f"mfu: not reported on {jax.devices()[0].platform} (no known peak rate; set --peak-tflops)", flush=True)
-    run.eval_start = run.eval_stream.get_state() if run.eval_stream is not None else None
     rows, saved, step = [], run.start_step, run.start_step
     try:
         with jax.set_mesh(run.mesh):
@@ -298,8 +254,8 @@ def loop(run: Run, stop: StopRequest) -> int:
                 run.skipped_steps += not applied
                 bad_in_a_row = 0 if applied else bad_in_a_row + 1
                 row = _row(run, step, metrics, seconds, lr, peak, train_flops(run.config, run.batch_size, int(seq)))
-                if run.evaluates and options.eval_every and step % options.eval_every == 0:
-                    row.update(evaluate(run))
+                if run.objective.evaluates and options.eval_every and step % options.eval_every == 0:
+                    row.update(run.objective.evaluate(run.params))
                 log.write(row)
                 progress.update(row)
                 rows.append(row)
@@ -312,8 +268,8 @@ def loop(run: Run, stop: StopRequest) -> int:
                     save(run, step)
                     saved = step
             evaluated = rows and any(k.startswith("eval_") for k in rows[-1])
-            if run.evaluates and step == options.steps and not evaluated:
-                final = evaluate(run)
+            if run.objective.evaluates and step == options.steps and not evaluated:
+                final = run.objective.evaluate(run.params)
                 log.write({"step": step, **final, "time": time.time()})
                 rows.append({"step": step, **final})
             if step > saved:  # stopped early by a signal
@@ -337,7 +293,7 @@ def loop(run: Run, stop: StopRequest) -> int:
 
 def _summary(run: Run, rows: list[dict[str, Any]], step: int, stop: StopRequest) -> None:
     options = run.options
-    plots = [p for p in (plot_loss(options.out), plot_reward(options.out) if run.rl is not None else None) if p]
+    plots = [p for p in (plot_loss(options.out), *run.objective.plots(options.out)) if p]
     trained = [r for r in rows if "loss" in r]
     if stop.signal_name is not None:
         print(f"stopped by {stop.signal_name} after step {step} of {options.steps}; checkpoint saved. "
@@ -351,10 +307,8 @@ def _summary(run: Run, rows: list[dict[str, Any]], step: int, stop: StopRequest)
     speeds = [r["tokens_per_sec"] for r in trained[1:]] or [trained[0]["tokens_per_sec"]]
     evals = [r["eval_loss"] for r in rows if r.get("eval_loss") is not None]
     rewards = [r["eval_reward"] for r in rows if r.get("eval_reward") is not None]
-    sampled = (f", sampled reward {trained[0]['reward_mean']:.3f} -> {trained[-1]['reward_mean']:.3f}"
-               if run.rl is not None else "")
     print(f"trained steps {trained[0]['step']}-{trained[-1]['step']} of {options.steps}: loss "
-          f"{trained[0]['loss']:.4f} -> {trained[-1]['loss']:.4f}{sampled}"
+          f"{trained[0]['loss']:.4f} -> {trained[-1]['loss']:.4f}{run.objective.summary(trained)}"
           + (f", held-out loss {evals[-1]:.4f}" if evals else "")
           + (f", held-out greedy reward {rewards[-1]:.3f}" if rewards else "")
           + f", {statistics.median(speeds):,.0f} tokens/s (median), {run.skipped_steps} skipped steps; "
@@ -362,13 +316,14 @@ def _summary(run: Run, rows: list[dict[str, Any]], step: int, stop: StopRequest)
           + "".join(f", {os.path.basename(p)}" for p in plots) + ")", flush=True)
 
 
-def train(options: TrainOptions, stop: StopRequest | None = None) -> int:
+def train(options: TrainOptions, stop: StopRequest | None = None, objective: Objective | None = None) -> int:
     """Run (or resume) the training described by `options`; the process exit code. `stop`: a
-    StopRequest entered earlier (scripts install it before jax loads), else one is made here."""
+    StopRequest entered earlier (scripts install it before jax loads), else one is made here.
+    `objective`: what is trained (default: `default_objective(options)`)."""
     if stop is None:
         with StopRequest() as stop:
-            return train(options, stop)
-    run = prepare(options)
+            return train(options, stop, objective)
+    run = prepare(options, objective)
     if stop.agreed():
         print(f"stopped by {stop.signal_name} before the first step; nothing was trained or saved", flush=True)
         run.checkpoints.close()

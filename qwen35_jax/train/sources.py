@@ -13,6 +13,7 @@ from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.parallel.processes import is_lead_process, sync_processes
+from qwen35_jax.scoring import ScoreOptions, score_batches
 from qwen35_jax.train.data import ArrayBatches, BatchStream, load_npy_dir, synthetic_data
 from qwen35_jax.train.options import TrainOptions
 
@@ -26,7 +27,7 @@ def is_npy_dir(path: str) -> bool:
 
 
 def _synthetic(options: TrainOptions, config: Qwen35Config, batch_size: int, mesh: jax.sharding.Mesh,
-               graphdef: nnx.GraphDef, params: Any) -> dict[str, np.ndarray]:
+               graphdef: nnx.GraphDef, params: Any, scoring: ScoreOptions) -> dict[str, np.ndarray]:
     """The run's random rows, made once and kept in RUN/synthetic/ (PPO's old log-probs come from the
     starting model, which a resumed run no longer has)."""
     directory = os.path.join(options.out, SYNTHETIC_DIR)
@@ -38,10 +39,8 @@ def _synthetic(options: TrainOptions, config: Qwen35Config, batch_size: int, mes
     data = synthetic_data(batch_size, options.seq_len, config.vocab_size, objective=options.objective,
                           seed=options.seed)
     if options.objective == "ppo":  # on-policy: the behaviour policy is the starting model
-        from qwen35_jax.scoring import score_batches
         data["old_log_probs"], _ = score_batches(  # the graph's config carries the run's kernel choices
-            nnx.merge(graphdef, params), data["tokens"], None, mesh=mesh, temperature=options.temperature,
-            backend=options.logprob_backend, lm_head_mode=options.lm_head)
+            nnx.merge(graphdef, params), data["tokens"], None, mesh=mesh, scoring=scoring)
         data["ref_log_probs"] = data["old_log_probs"]
     if is_lead_process():
         tmp = directory + ".tmp"
@@ -76,10 +75,11 @@ def _open(paths: list[str], options: TrainOptions, *, config: Qwen35Config, batc
 
 def open_train_stream(options: TrainOptions, *, config: Qwen35Config, mesh: jax.sharding.Mesh, batch_size: int,
                       shard_index: int, shard_count: int, fields: tuple[str, ...], graphdef: nnx.GraphDef,
-                      params: Any) -> BatchStream:
-    """This process's stream of training batches."""
+                      params: Any, scoring: ScoreOptions) -> BatchStream:
+    """This process's stream of training batches (`scoring`: the run's `StepOptions.scoring`, with which
+    a --synthetic PPO run scores its old log-probs)."""
     if options.synthetic:
-        data = _synthetic(options, config, batch_size, mesh, graphdef, params)
+        data = _synthetic(options, config, batch_size, mesh, graphdef, params, scoring)
         return ArrayBatches(data, batch_size, vocab_size=config.vocab_size, fields=fields, shard_index=shard_index,
                             shard_count=shard_count, source="synthetic data")
     return _open(options.data, options, config=config, batch_size=batch_size, shard_index=shard_index,

@@ -24,7 +24,7 @@ from qwen35_kernels.choices import KernelChoices
 from qwen35_jax.labels import IGNORE, next_token_labels
 from qwen35_jax.losses import KL_ESTIMATORS, policy_terms
 from qwen35_jax.parallel.mesh import FSDP, SP
-from qwen35_jax.scoring import score_tokens
+from qwen35_jax.scoring import ScoreOptions, score_tokens
 from qwen35_jax.train.optim import Params
 from qwen35_jax.xla_options import compiler_options
 
@@ -57,6 +57,11 @@ class StepOptions:
             raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("kl_coef and entropy_coef must be >= 0")
+
+    @property
+    def scoring(self) -> ScoreOptions:
+        """How the step computes its log-probs: what scoring outside the step must use too."""
+        return ScoreOptions(self.temperature, self.backend, self.lm_head_mode)
 
     def required_fields(self) -> tuple[str, ...]:
         """Batch fields beyond tokens/segment_ids/loss_mask that the objective reads."""
