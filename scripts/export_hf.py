@@ -20,6 +20,8 @@ import argparse
 import re
 import sys
 
+from qwen35_jax.config import DTYPES
+
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="copy vision/MTP tensors and tokenizer files from this HF checkpoint")
     p.add_argument("--mesh", default=None,
                    help="device mesh 'fsdp=F,sp=S' to restore onto (default: all devices on fsdp)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+    p.add_argument("--dtype", choices=DTYPES, default=None,
                    help="dtype of the written tensors (default: each tensor's dtype in the source)")
     args = p.parse_args(argv)
 

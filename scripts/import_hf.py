@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from qwen35_jax.train.options import RUN_DTYPES
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -23,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
     p.add_argument("hf_dir", help="Hugging Face checkpoint directory")
     p.add_argument("out_dir", help="new directory for the qwen35_jax checkpoint")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+    p.add_argument("--dtype", choices=RUN_DTYPES, default=None,
                    help="parameter dtype (default: the checkpoint's own; float32 when it mixes dtypes)")
     p.add_argument("--mesh", default=None,
                    help="device mesh 'fsdp=F,sp=S' to load onto (default: all devices on fsdp)")

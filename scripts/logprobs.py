@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-from qwen35_kernels.choices import GDN_PRECISIONS
 
 from qwen35_jax.files import replaced_atomically
 from qwen35_jax.train.options import CHOICES
@@ -32,7 +31,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens", required=True, type=Path, help=".npy of integer token ids [B, S]")
     parser.add_argument("--out", required=True, type=Path, help=".npz to write (log_probs, entropy)")
     parser.add_argument("--temperature", type=float, default=1.0, help="softmax temperature (default 1.0)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+    parser.add_argument("--dtype", choices=CHOICES["param_dtype"], default=None,
                         help="parameter and compute dtype (default: float32)")
     parser.add_argument("--mesh", default=None, help="device layout 'fsdp=F,sp=S' (default: all devices on fsdp)")
     parser.add_argument("--segment-ids", type=Path, default=None,
@@ -41,14 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="rows per forward pass (default: all rows at once)")
     parser.add_argument("--backend", choices=CHOICES["logprob_backend"], default="auto",
                         help="fused log-prob/entropy backend (default: auto)")
-    parser.add_argument("--lm-head", choices=["gather", "vocab_parallel"], default="gather",
+    parser.add_argument("--lm-head", choices=CHOICES["lm_head"], default="gather",
                         help="how the sharded lm_head is used (default: gather once)")
-    parser.add_argument("--attention", choices=["auto", "xla", "pallas", "cudnn"], default="auto",
+    parser.add_argument("--attention", choices=CHOICES["attention"], default="auto",
                         help="attention kernel (default: auto; xla is the fallback everywhere; cudnn: GPU, "
                              "bfloat16)")
-    parser.add_argument("--gdn-sp-mode", choices=["all_to_all", "state_passing"], default="all_to_all",
+    parser.add_argument("--gdn-sp-mode", choices=CHOICES["gdn_sp_mode"], default="all_to_all",
                         help="GDN sequence parallelism (default: all_to_all)")
-    parser.add_argument("--gdn-precision", choices=GDN_PRECISIONS, default="auto",
+    parser.add_argument("--gdn-precision", choices=CHOICES["gdn_precision"], default="auto",
                         help="matmul precision of the GDN chunked form, as the trainer's (default: auto)")
     return parser.parse_args(argv)
 

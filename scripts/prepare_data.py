@@ -10,8 +10,8 @@ import argparse
 import sys
 
 from qwen35_jax.data.packing import LONG_ROW_POLICIES
-from qwen35_jax.data.pipeline import BAD_ROW_POLICIES
 from qwen35_jax.data.prepare import default_vocab_size, describe, prepare_dataset
+from qwen35_jax.data.rows import BAD_ROW_POLICIES
 
 
 def main() -> int:

@@ -367,3 +367,17 @@ def test_kernel_choices_match_the_kernels_lists():
     assert set(CHOICES["logprob_backend"]) == set(BACKENDS)
     # pallas_gpu / pallas_tpu are the per-platform names "pallas" resolves to
     assert set(CHOICES["attention"]) == set(IMPLEMENTATIONS) - {"pallas_gpu", "pallas_tpu"}
+
+
+def test_restated_choice_lists_match_their_homes():
+    # CHOICES restates the lists whose home module loads jax (options load without it) or lives in rl/
+    # (which train/ does not import): they must agree.
+    from qwen35_kernels.logprob_entropy.sharded import MODES
+
+    from qwen35_jax.losses import KL_ESTIMATORS
+    from qwen35_jax.rl.advantages import ADVANTAGES
+    from qwen35_jax.train.options import CHOICES
+
+    assert CHOICES["lm_head"] == MODES
+    assert CHOICES["kl_estimator"] == KL_ESTIMATORS
+    assert CHOICES["advantage"] == ADVANTAGES

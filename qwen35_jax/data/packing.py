@@ -10,8 +10,12 @@ Each piece is its own document (segment). Padding has segment 0, loss mask 0.
 
 from __future__ import annotations
 
-import grain
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    import grain
 
 LONG_ROW_POLICIES = ("truncate", "split", "drop")
 PACKING_BINS = 16  # more bins pack tighter but mix rows from further apart in the order
@@ -48,6 +52,8 @@ def pack(rows: grain.IterDataset, seq_len: int, *, bins: int = PACKING_BINS) -> 
 
     Non-sequence fields of a row ("position") come out as the list of the packed rows' values.
     """
+    import grain  # here: grain loads jax, and LONG_ROW_POLICIES is read before jax loads (train/options.py)
+
     packed = grain.experimental.FirstFitPackIterDataset(
         rows, length_struct={"tokens": seq_len, "loss_mask": seq_len}, num_packing_bins=bins,
         shuffle_bins=False, meta_features=("position",))

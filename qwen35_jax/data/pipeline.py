@@ -19,16 +19,10 @@ import grain
 import numpy as np
 
 from qwen35_jax.data.packing import check_long_rows, fit_to_length, pack
-from qwen35_jax.data.rows import BadRow, RowEncoder
+from qwen35_jax.data.rows import BadRow, RowEncoder, check_bad_rows
 from qwen35_jax.data.sources import JsonlLines
 
-BAD_ROW_POLICIES = ("skip", "stop")
 BAD_ROW_EXAMPLES = 20  # bad rows quoted in a summary or manifest; the rest are only counted
-
-
-def check_bad_rows(policy: str) -> None:
-    if policy not in BAD_ROW_POLICIES:
-        raise ValueError(f"bad rows policy must be one of {', '.join(BAD_ROW_POLICIES)}, got {policy!r}")
 
 
 @dataclasses.dataclass

@@ -19,8 +19,16 @@ from qwen35_jax.data.chat_masks import ChatTemplateError, assistant_mask
 _LOADING = threading.Lock()  # grain maps rows on several threads; transformers' lazy imports are not thread-safe
 
 
+BAD_ROW_POLICIES = ("skip", "stop")  # what the pipeline does with a BadRow: skip it (counted) or stop
+
+
 class BadRow(ValueError):
     """A row that cannot be trained on; the message says why."""
+
+
+def check_bad_rows(policy: str) -> None:
+    if policy not in BAD_ROW_POLICIES:
+        raise ValueError(f"bad rows policy must be one of {', '.join(BAD_ROW_POLICIES)}, got {policy!r}")
 
 
 def load_tokenizer(directory: str) -> Any:

@@ -16,6 +16,7 @@ import time
 from typing import Any
 
 from qwen35_jax.files import write_text_atomically
+from qwen35_jax.train.options import RUN_DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="tokenizer directory (default: the model's, or the run's --tokenizer / --model)")
     p.add_argument("--chat-template-kwargs", default=None,
                    help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+    p.add_argument("--dtype", choices=RUN_DTYPES, default=None,
                    help="parameter and compute dtype (default: as stored)")
     return p.parse_args(argv)
 

@@ -20,21 +20,33 @@ from typing import Any
 import yaml
 from qwen35_kernels.choices import GDN_PRECISIONS
 
-from qwen35_jax.config import REMAT_POLICIES, SCAN_LAYERS_FLAGS
+from qwen35_jax.config import GDN_SP_MODES, REMAT_POLICIES, SCAN_LAYERS_FLAGS
+from qwen35_jax.data.packing import LONG_ROW_POLICIES
+from qwen35_jax.data.rows import BAD_ROW_POLICIES
 
+# The parameter and compute dtypes a run (and scoring, generation, import) takes; config.DTYPES adds
+# float16, which only an export writes.
+RUN_DTYPES = ("float32", "bfloat16")
+
+# The choices of every option that has a fixed list: the command lines (train.py, logprobs.py,
+# generate.py, import_hf.py, bench_train.py) offer these. Lists are imported from where the concept
+# lives when that module loads without jax (this module must not: scripts/train.py parses its options
+# before jax loads); the kernels' lists and losses.KL_ESTIMATORS are in modules that load jax, and
+# rl.advantages.ADVANTAGES is in rl/, which train/ does not import (tests/test_layering.py), so they
+# are restated here and tests/test_train_run.py checks that they agree.
 CHOICES = {
     "objective": ("sft", "ppo", "grpo"),
     "advantage": ("grpo", "drgrpo", "rloo"),
     "kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
-    "param_dtype": ("float32", "bfloat16"),
-    "compute_dtype": ("float32", "bfloat16"),
+    "param_dtype": RUN_DTYPES,
+    "compute_dtype": RUN_DTYPES,
     "attention": ("auto", "xla", "pallas", "cudnn"),
     "logprob_backend": ("auto", "xla", "pallas", "pallas_xla", "reference"),
     "lm_head": ("gather", "vocab_parallel"),
-    "gdn_sp_mode": ("all_to_all", "state_passing"),
+    "gdn_sp_mode": GDN_SP_MODES,
     "gdn_precision": GDN_PRECISIONS,
-    "long_rows": ("truncate", "split", "drop"),
-    "bad_rows": ("skip", "stop"),
+    "long_rows": LONG_ROW_POLICIES,
+    "bad_rows": BAD_ROW_POLICIES,
     "remat": REMAT_POLICIES,
     "scan_layers": tuple(SCAN_LAYERS_FLAGS),
 }
