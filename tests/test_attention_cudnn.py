@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from qwen35_kernels.attention import attention_core
+from qwen35_kernels.attention import attention_core, resolve_implementation
 from qwen35_kernels.attention import cudnn as ac
-from qwen35_kernels.attention import pallas as ak
-from qwen35_kernels.choices import kernel_choices
+from qwen35_kernels.choices import KernelChoices
 
 # rows of segment ids, and whether cuDNN can take them exactly at M = 4
 LAYOUTS = {
@@ -184,10 +183,9 @@ def test_float32_inputs_raise():
 
 def test_resolves_on_gpu_only():
     with pytest.raises(ValueError, match="'cudnn' needs a CUDA GPU, this backend is cpu"):
-        ak.resolve_implementation("cudnn")
-    assert ak.resolve_implementation("cudnn", "gpu") == "cudnn"
-    with kernel_choices(attention="cudnn", platform="gpu"):
-        assert ak.resolve_implementation() == "cudnn"
+        resolve_implementation("cudnn")
+    assert resolve_implementation("cudnn", "gpu") == "cudnn"
+    assert resolve_implementation(choices=KernelChoices(attention="cudnn", platform="gpu")) == "cudnn"
 
 
 @pytest.fixture

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from qwen35_kernels.attention import attention_core
-from qwen35_kernels.attention import pallas as ak
-from qwen35_kernels.choices import kernel_choices
+from qwen35_kernels.attention import attention_core, resolve_implementation
+from qwen35_kernels.attention.pallas_gpu import gpu_flash_attention
+from qwen35_kernels.attention.pallas_tpu import tpu_flash_attention
+from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.parallel.ulysses import ulysses_attention
 
@@ -64,7 +65,7 @@ def _check_against_xla(fn, q, k, v, seg, w):
 )
 def test_gpu_kernel_interpreted_equals_xla(s, kv_heads, blocks):
     q, k, v, seg, w = _inputs(b=2, s=s, h=4, k=kv_heads, dh=16)
-    fn = functools.partial(ak.gpu_flash_attention, interpret=True, **blocks)
+    fn = functools.partial(gpu_flash_attention, interpret=True, **blocks)
     _check_against_xla(fn, q, k, v, seg, w)
 
 
@@ -72,7 +73,7 @@ def test_gpu_kernel_interpreted_equals_xla(s, kv_heads, blocks):
 def test_tpu_kernel_interpreted_equals_xla(s, kv_heads):
     # S padded to 256: two 128-row blocks, the second mostly padding
     q, k, v, seg, w = _inputs(b=2, s=s, h=2, k=kv_heads, dh=16, seed=1)
-    fn = functools.partial(ak.tpu_flash_attention, interpret=True)
+    fn = functools.partial(tpu_flash_attention, interpret=True)
     _check_against_xla(fn, q, k, v, seg, w)
 
 
@@ -88,7 +89,7 @@ def test_tpu_kernel_dots_of_bf16_blocks_at_default_precision(dtype, precision):
     assert jax.config.jax_default_matmul_precision == "highest"
 
     def loss(q, k, v):
-        return jnp.sum(ak.tpu_flash_attention(q, k, v, seg, interpret=True).astype(jnp.float32) * w)
+        return jnp.sum(tpu_flash_attention(q, k, v, seg, interpret=True).astype(jnp.float32) * w)
 
     jaxpr = jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
     kernels = [e for e in all_equations(jaxpr) if e.primitive.name == "pallas_call"]
@@ -103,7 +104,7 @@ def test_gpu_kernel_bfloat16_close_to_float32_reference():
     q, k, v, seg, _ = _inputs(b=1, s=40, h=4, k=2, dh=16, seed=2)
     want = attention_core(q, k, v, seg, implementation="xla")
     bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-    got = ak.gpu_flash_attention(*bf, seg, block_q=16, block_k=16, block_bwd=16, interpret=True)
+    got = gpu_flash_attention(*bf, seg, block_q=16, block_k=16, block_bwd=16, interpret=True)
     assert got.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), atol=3e-2)
 
@@ -113,38 +114,37 @@ def test_gpu_kernel_bfloat16_close_to_float32_reference():
 
 def test_auto_is_xla_on_cpu():
     assert jax.default_backend() == "cpu"
-    assert ak.resolve_implementation("auto") == "xla"
-    assert ak.resolve_implementation() == "xla"
+    assert resolve_implementation("auto") == "xla"
+    assert resolve_implementation() == "xla"
     q, k, v, seg, _ = _inputs(b=1, s=8, h=2, k=1, dh=8)
-    # a fresh function per trace: jax caches traces per function, and the setting is read when tracing
     assert "pallas_call" not in str(jax.make_jaxpr(lambda *a: attention_core(*a))(q, k, v, seg))
-    with kernel_choices(attention="pallas"):
-        assert ak.resolve_implementation() == "pallas_gpu"  # interpreted on CPU
-        assert "pallas_call" in str(jax.make_jaxpr(lambda *a: attention_core(*a))(q, k, v, seg))
-    assert ak.resolve_implementation() == "xla"
+    pallas = KernelChoices(attention="pallas")
+    assert resolve_implementation(choices=pallas) == "pallas_gpu"  # interpreted on CPU
+    assert "pallas_call" in str(jax.make_jaxpr(lambda *a: attention_core(*a, choices=pallas))(q, k, v, seg))
+    assert "pallas_call" in str(jax.make_jaxpr(lambda *a: attention_core(*a, implementation="pallas"))(q, k, v, seg))
+    assert resolve_implementation() == "xla"
 
 
 @pytest.mark.parametrize("platform, auto, pallas", [("gpu", "pallas_gpu", "pallas_gpu"),
                                                     ("tpu", "pallas_tpu", "pallas_tpu"),
                                                     ("cpu", "xla", "pallas_gpu")])
 def test_resolution_per_platform(platform, auto, pallas):
-    assert ak.resolve_implementation("auto", platform) == auto
-    assert ak.resolve_implementation("pallas", platform) == pallas
-    assert ak.resolve_implementation("xla", platform) == "xla"
-    with kernel_choices(platform=platform):
-        assert ak.resolve_implementation() == auto
-    with kernel_choices(attention="pallas_tpu", platform=platform):
-        assert ak.resolve_implementation() == "pallas_tpu"
+    assert resolve_implementation("auto", platform) == auto
+    assert resolve_implementation("pallas", platform) == pallas
+    assert resolve_implementation("xla", platform) == "xla"
+    assert resolve_implementation(choices=KernelChoices(platform=platform)) == auto
+    assert resolve_implementation(choices=KernelChoices(attention="pallas_tpu", platform=platform)) == "pallas_tpu"
 
 
-def test_context_selects_kernel_inside_ulysses(mesh_2x4):
+def test_choices_select_kernel_inside_ulysses(mesh_2x4):
     # the kernel is what Ulysses runs per device after the all-to-all (whole sequence, local heads)
     q, k, v, seg, w = _inputs(b=2, s=24, h=8, k=2, dh=16, seed=3)
+    core = functools.partial(attention_core, choices=KernelChoices(attention="pallas_gpu"))
 
     def sharded(q, k, v, seg):
-        return ulysses_attention(attention_core, q, k, v, seg)
+        return ulysses_attention(core, q, k, v, seg)
 
-    with jax.set_mesh(mesh_2x4), kernel_choices(attention="pallas_gpu"):
+    with jax.set_mesh(mesh_2x4):
         jaxpr = str(jax.make_jaxpr(sharded)(q, k, v, seg))
         assert "pallas_call" in jaxpr and "shard_map" in jaxpr
         _check_against_xla(sharded, q, k, v, seg, w)
@@ -153,9 +153,9 @@ def test_context_selects_kernel_inside_ulysses(mesh_2x4):
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: ak.resolve_implementation("flash"), "attention implementation must be one of"),
-        (lambda: ak.resolve_implementation("cudnn"), "'cudnn' needs a CUDA GPU, this backend is cpu"),
-        (lambda: kernel_choices(attention="flash"), "kernel choice attention must be one of"),
+        (lambda: resolve_implementation("flash"), "attention implementation must be one of"),
+        (lambda: resolve_implementation("cudnn"), "'cudnn' needs a CUDA GPU, this backend is cpu"),
+        (lambda: KernelChoices(attention="flash"), "kernel choice attention must be one of"),
         (lambda: attention_core(jnp.zeros((1, 4, 3, 8)), jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 2, 8)),
                                 jnp.ones((1, 4), jnp.int32)), "H = 3 are not a multiple of kv heads K = 2"),
         (lambda: attention_core(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 5, 1, 8)), jnp.zeros((1, 5, 1, 8)),
@@ -164,9 +164,9 @@ def test_context_selects_kernel_inside_ulysses(mesh_2x4):
                                 jnp.ones((1, 5), jnp.int32)), r"segment_ids must be \[B, S\] = \[1, 4\]"),
         (lambda: attention_core(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 1, 8)), jnp.zeros((1, 4, 1, 8)),
                                 jnp.ones((1, 4))), "segment_ids must be integers"),
-        (lambda: ak.gpu_flash_attention(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 1, 8)), jnp.zeros((1, 4, 1, 8)),
+        (lambda: gpu_flash_attention(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 1, 8)), jnp.zeros((1, 4, 1, 8)),
                                         jnp.ones((1, 4), jnp.int32), block_q=24), "block_q must be a power of two"),
-        (lambda: ak.tpu_flash_attention(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 1, 8)), jnp.zeros((1, 4, 1, 8)),
+        (lambda: tpu_flash_attention(jnp.zeros((1, 4, 2, 8)), jnp.zeros((1, 4, 1, 8)), jnp.zeros((1, 4, 1, 8)),
                                         jnp.ones((1, 4), jnp.int32), block=64), "multiple of 128"),
     ],
 )
@@ -181,9 +181,9 @@ def test_bad_inputs_raise(call, match):
 @pytest.mark.parametrize(
     "platform, fn, target, kernels",
     [
-        ("cuda", ak.gpu_flash_attention, "__gpu$xla.gpu.triton",
+        ("cuda", gpu_flash_attention, "__gpu$xla.gpu.triton",
          {"mha_forward", "mha_preprocess_backward", "mha_backward"}),
-        ("tpu", ak.tpu_flash_attention, "tpu_custom_call",
+        ("tpu", tpu_flash_attention, "tpu_custom_call",
          {"_flash_attention_kernel", "_flash_attention_dkv_kernel", "_flash_attention_dq_kernel"}),
     ],
 )
@@ -215,7 +215,7 @@ def test_model_with_pallas_kernel_equals_xla():
     from flax import nnx
 
     from qwen35_jax.config import Qwen35Config
-    from qwen35_jax.model import Qwen35ForCausalLM
+    from qwen35_jax.model import Qwen35ForCausalLM, with_config
 
     config = Qwen35Config.preset(
         "tiny", vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -226,14 +226,16 @@ def test_model_with_pallas_kernel_equals_xla():
     seg = jnp.asarray([[1] * 9 + [2] * 10 + [0] * 2, [5] * 21], jnp.int32)
 
     def run(implementation):
+        chosen = nnx.graphdef(with_config(nnx.merge(graphdef, state),
+                                          config.replace(kernels=KernelChoices(attention=implementation))))
+
         def loss(state):
-            hidden = nnx.merge(graphdef, state)(tokens, segment_ids=seg)  # [B, S, D]
+            hidden = nnx.merge(chosen, state)(tokens, segment_ids=seg)  # [B, S, D]
             return jnp.sum(jnp.sin(hidden)), hidden
 
-        with kernel_choices(attention=implementation):
-            kernel_used = "pallas_call" in str(jax.make_jaxpr(loss)(state))
-            assert kernel_used == (implementation == "pallas"), implementation
-            return jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
+        kernel_used = "pallas_call" in str(jax.make_jaxpr(loss)(state))
+        assert kernel_used == (implementation == "pallas"), implementation
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(state)
 
     (_, want), want_grads = run("xla")
     (_, got), got_grads = run("pallas")

@@ -8,13 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from qwen35_kernels.choices import KernelChoices, current_choices, kernel_choices
+from qwen35_kernels.choices import KernelChoices, resolved
 from qwen35_kernels.gated_delta_rule.chunk_states import (
     UNROLL_CHUNKS,
     pallas_chunk_states,
 )
 from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
-from qwen35_kernels.gated_delta_rule.matmul import BF16_OPERANDS, resolve_gdn_precision
+from qwen35_kernels.gated_delta_rule.matmul import BF16_OPERANDS, BF16_ROUNDED, resolve_gdn_precision
 from qwen35_kernels.gated_delta_rule.pallas_chunk_local import chunk_local_forward, pallas_chunk_local
 from qwen35_kernels.gated_delta_rule.pallas_chunk_states import entering_states
 from qwen35_kernels.gated_delta_rule.pallas_rule import pallas_chunked_rule
@@ -307,17 +307,16 @@ def test_pallas_rule_writes_its_output_in_the_compute_dtype():
 
 
 def test_chunk_scan_choice_per_platform_and_block():
-    assert current_choices().gdn_chunk_scan == "sequential"  # "auto" on CPU
+    assert resolved(None).gdn_chunk_scan == "sequential"  # "auto" on CPU
     assert [KernelChoices(platform=p).resolve().gdn_chunk_scan for p in ("gpu", "tpu")] == ["pallas", "associative"]
-    with kernel_choices(gdn_chunk_scan="pallas"):
-        assert current_choices().gdn_chunk_scan == "pallas"
-    with kernel_choices(gdn_chunk_scan="associative"):
-        assert current_choices().gdn_chunk_scan == "associative"
-        with kernel_choices(gdn_precision="high"):  # another choice leaves this one as it is
-            assert current_choices().gdn_chunk_scan == "associative"
-    assert current_choices().gdn_chunk_scan == "sequential"
-    with pytest.raises(ValueError, match="'parallel'"), kernel_choices(gdn_chunk_scan="parallel"):
-        pass
+    assert resolved(KernelChoices(gdn_chunk_scan="pallas")).gdn_chunk_scan == "pallas"
+    associative = resolved(KernelChoices(gdn_chunk_scan="associative"))
+    assert associative.gdn_chunk_scan == "associative"
+    # another choice leaves this one as it is
+    assert associative.replace(gdn_precision="high").resolve().gdn_chunk_scan == "associative"
+    assert resolved(None).gdn_chunk_scan == "sequential"
+    with pytest.raises(ValueError, match="'parallel'"):
+        KernelChoices(gdn_chunk_scan="parallel")
 
 
 @pytest.mark.parametrize("S", [1, 7, 64, 70, 200])
@@ -473,9 +472,11 @@ def test_bf16_einsum_on_a_gpu_and_its_cpu_emulation_equal_the_rounded_product():
     rng = np.random.default_rng(0)
     a, b = (jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in ((2, 3, 16, 32), (2, 3, 32, 8)))
     spec = "...ij,...jk->...ik"
-    emulated = jax.jit(lambda a, b: gdn_matmul.gdn_einsum(spec, a, b, BF16_OPERANDS))(a, b)
-    with kernel_choices(platform="gpu"):  # the GPU's form, run on this CPU
-        bf16 = jax.jit(lambda a, b: gdn_matmul.gdn_einsum(spec, a, b, BF16_OPERANDS))(a, b)
+    cpu_prec = resolve_gdn_precision(KernelChoices(gdn_precision="bf16"))
+    gpu_prec = resolve_gdn_precision(KernelChoices(gdn_precision="bf16", platform="gpu"))
+    assert (cpu_prec, gpu_prec) == (BF16_ROUNDED, BF16_OPERANDS)
+    emulated = jax.jit(lambda a, b: gdn_matmul.gdn_einsum(spec, a, b, cpu_prec))(a, b)
+    bf16 = jax.jit(lambda a, b: gdn_matmul.gdn_einsum(spec, a, b, gpu_prec))(a, b)  # the GPU's form, run on this CPU
     rounded = np.einsum(spec, *(np.asarray(x.astype(jnp.bfloat16), np.float64) for x in (a, b)))
     exact = np.einsum(spec, np.asarray(a, np.float64), np.asarray(b, np.float64))
     scale = np.abs(exact).max()
@@ -496,16 +497,17 @@ def test_bad_shapes_are_named():
 
 def test_precision_setting_per_backend_and_context():
     assert resolve_gdn_precision() == jax.lax.Precision.HIGHEST  # "auto" on CPU
-    assert resolve_gdn_precision("default") is None  # left to jax_default_matmul_precision
-    with kernel_choices(gdn_precision="high"):
-        assert resolve_gdn_precision() == jax.lax.Precision.HIGH
-        assert resolve_gdn_precision("highest") == jax.lax.Precision.HIGHEST
+    assert resolve_gdn_precision(None, "default") is None  # left to jax_default_matmul_precision
+    high = KernelChoices(gdn_precision="high")
+    assert resolve_gdn_precision(high) == jax.lax.Precision.HIGH
+    assert resolve_gdn_precision(high, "highest") == jax.lax.Precision.HIGHEST
     assert resolve_gdn_precision() == jax.lax.Precision.HIGHEST
-    assert resolve_gdn_precision("bf16") == BF16_OPERANDS
+    assert resolve_gdn_precision(None, "bf16") == BF16_ROUNDED  # on CPU: rounded, multiplied in float32
+    assert resolve_gdn_precision(KernelChoices(platform="gpu"), "bf16") == BF16_OPERANDS
     with pytest.raises(ValueError, match="'tf32'"):
-        resolve_gdn_precision("tf32")
-    with pytest.raises(ValueError, match="'tf32'"), kernel_choices(gdn_precision="tf32"):
-        pass
+        resolve_gdn_precision(None, "tf32")
+    with pytest.raises(ValueError, match="'tf32'"):
+        KernelChoices(gdn_precision="tf32")
 
 
 def test_every_precision_setting_traces_and_agrees_on_cpu():
@@ -523,11 +525,11 @@ def test_pallas_chunk_scan_needs_triton_sized_tiles_on_gpu():
 
     assert cs.kernel_fits(128, 128, 64) and cs.kernel_fits(64, 32, 16)
     assert not cs.kernel_fits(96, 128, 64) and not cs.kernel_fits(128, 128, 8) and not cs.kernel_fits(128, 96, 64)
-    with kernel_choices(platform="gpu"):
-        assert cs.chunk_scan_for(None, 128, 128, 64) == "pallas"  # "auto" on GPU
-        assert cs.chunk_scan_for(None, 96, 96, 64) == "associative"
-        with pytest.raises(ValueError, match="'pallas' needs .* got Dk=96, Dv=96, chunk 64"):
-            cs.chunk_scan_for("pallas", 96, 96, 64)
+    gpu = KernelChoices(platform="gpu").resolve()
+    assert cs.chunk_scan_for(gpu, 128, 128, 64) == "pallas"  # "auto" on GPU
+    assert cs.chunk_scan_for(gpu, 96, 96, 64) == "associative"
+    with pytest.raises(ValueError, match="'pallas' needs .* got Dk=96, Dv=96, chunk 64"):
+        cs.chunk_scan_for(gpu.replace(gdn_chunk_scan="pallas").resolve(), 96, 96, 64)
 
 
 def test_pallas_kernel_blocks_split_the_state_columns_alike():
@@ -544,10 +546,9 @@ def test_pallas_kernel_blocks_split_the_state_columns_alike():
     want, want_final = entering_states(u, w, k, decay, state, hi, interpret=True)
     np.testing.assert_array_equal(want_final, want[:, -1])  # float32 states: the final one is the last
     for blocks in ((16, 4), (32, 8), (128, 2)):
-        with kernel_choices(gdn_kernel_blocks=blocks):
-            got, final = entering_states(u, w, k, decay, state, hi, interpret=True)
-            np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
-            np.testing.assert_array_equal(final, got[:, -1])
+        blocks = KernelChoices(gdn_kernel_blocks=blocks).gdn_kernel_blocks
+        got, final = entering_states(u, w, k, decay, state, hi, interpret=True, blocks=blocks)
+        np.testing.assert_allclose(got, want, rtol=0, atol=2e-5)
+        np.testing.assert_array_equal(final, got[:, -1])
     with pytest.raises(ValueError, match="block_v must be a power of two >= 16"):
-        with kernel_choices(gdn_kernel_blocks=(24, 4)):
-            pass
+        KernelChoices(gdn_kernel_blocks=(24, 4))

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from qwen35_kernels.gdn_inputs.stored_cotangent import materialized, stored_cotangent
 from qwen35_kernels.gdn_inputs.xla import causal_conv1d_silu, causal_conv1d_update
-from qwen35_kernels.choices import kernel_choices
+from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.layers.gdn_arrays import GdnWeights
 from qwen35_jax.xla_options import compiler_options
@@ -86,9 +86,10 @@ def test_materialized_stops_xla_recomputing_a_chain_in_each_shifted_reader():
 
 def test_stored_cotangent_is_the_identity_with_the_same_gradient():
     x = jax.random.normal(jax.random.key(0), (3, 5, 7))
-    np.testing.assert_array_equal(stored_cotangent(x), x)
+    np.testing.assert_array_equal(stored_cotangent(x, True), x)
     f = lambda x: jnp.sum(jnp.sin(x) * x)  # noqa: E731
-    np.testing.assert_array_equal(jax.grad(lambda x: f(stored_cotangent(x)))(x), jax.grad(f)(x))
+    for materialize in (True, False):
+        np.testing.assert_array_equal(jax.grad(lambda x: f(stored_cotangent(x, materialize)))(x), jax.grad(f)(x))
     np.testing.assert_array_equal(materialized(x), x)
 
 
@@ -203,7 +204,8 @@ def test_rule_inputs_by_kernels_match_float64():
     A_log, dt_bias = jnp.asarray(rng.normal(size=Hv), jnp.float32), jnp.asarray(rng.normal(size=Hv), jnp.float32)
     seg = jnp.asarray(np.r_[np.ones(12), np.full(17, 2), np.zeros(3)].astype(np.int32)[None])
     args = (q, k, v, b, a, GdnWeights(*convs, A_log, dt_bias, jnp.ones(D)), seg)
-    got, xla = rule_inputs(*args, kernels=True), rule_inputs(*args, kernels=False)
+    got = rule_inputs(*args, choices=KernelChoices(gdn_inputs="pallas"))
+    xla = rule_inputs(*args, choices=KernelChoices(gdn_inputs="xla"))
     valid, doc = document_index(seg, B, S)
     with jax.enable_x64(True):
         f64 = [jnp.asarray(np.asarray(x, np.float64)) for x in (q, k, v, *convs)]
@@ -251,8 +253,8 @@ def test_rule_inputs_use_the_kernels_on_gpu_with_the_pallas_chunk_scan_only():
     weights = GdnWeights(conv, conv, conv, jnp.zeros(H), jnp.zeros(H), jnp.zeros(D))
 
     def kernels(scan, halo=None):
-        with kernel_choices(gdn_chunk_scan=scan, platform="gpu"):  # the program a GPU traces
-            jaxpr = jax.make_jaxpr(lambda q: rule_inputs(q, q, q, b, b, weights, seg, halo))(q)
+        choices = KernelChoices(gdn_chunk_scan=scan, platform="gpu")  # the program a GPU traces
+        jaxpr = jax.make_jaxpr(lambda q: rule_inputs(q, q, q, b, b, weights, seg, halo, choices=choices))(q)
         return sorted(e.params["name"] for e in all_equations(jaxpr.jaxpr) if e.primitive.name == "pallas_call")
 
     assert kernels("auto") == ["gdn_conv_silu", "gdn_conv_silu_l2", "gdn_conv_silu_l2"]

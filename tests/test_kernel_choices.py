@@ -1,5 +1,5 @@
 """KernelChoices: "auto" resolved per platform in one place, one-line errors, carried by the model config
-through a checkpoint's JSON, and in force for a step's backward pass as for its forward."""
+through a checkpoint's JSON, and passed by argument, so a step's backward pass runs its forward's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from qwen35_kernels import KernelChoices, current_choices, kernel_choices
+from qwen35_kernels import KernelChoices, resolved
 from qwen35_kernels.gated_delta_rule import chunked_gated_delta_rule
 
 from qwen35_jax.checkpoint import _config_dict
@@ -35,13 +35,27 @@ def test_auto_resolves_per_platform_and_resolving_again_changes_nothing(platform
     assert resolved.gdn_chunk_scan_fallback == "associative"
 
 
-def test_outside_any_block_the_kernels_see_this_backends_defaults():
-    assert current_choices() == KernelChoices().resolve(jax.default_backend())
-    with kernel_choices(gdn_precision="bf16") as outer:
-        assert current_choices() is outer and outer.gdn_precision == "bf16"
-        with kernel_choices(attention="pallas"):  # another choice keeps the enclosing ones
-            assert (current_choices().gdn_precision, current_choices().attention) == ("bf16", "pallas_gpu")
-    assert current_choices().gdn_precision == "highest"
+@pytest.mark.parametrize("platform, inputs, logprob", [("cpu", "xla", "xla"), ("gpu", "pallas", "xla"),
+                                                       ("tpu", "xla", "pallas")])
+def test_gdn_inputs_and_logprob_backend_resolve_per_platform(platform, inputs, logprob):
+    choices = KernelChoices().resolve(platform)
+    assert (choices.gdn_inputs, choices.logprob_backend) == (inputs, logprob)
+    # the GDN input kernels go with the Pallas chunk scan
+    assert KernelChoices(gdn_chunk_scan="associative").resolve(platform).gdn_inputs == "xla"
+    assert KernelChoices(gdn_inputs="pallas", logprob_backend="pallas_xla").resolve(platform).gdn_inputs == "pallas"
+    # replacing the scan of a resolved value drops the fallback of "auto"; resolving again keeps it so
+    assert choices.replace(gdn_chunk_scan="pallas").resolve().gdn_chunk_scan_fallback is None
+    assert choices.replace(gdn_precision="high").gdn_chunk_scan_fallback == "associative"
+    assert hash(choices) == hash(KernelChoices().resolve(platform))  # a static argument of a jit
+
+
+def test_none_are_this_backends_defaults():
+    assert resolved(None) == KernelChoices().resolve(jax.default_backend())
+    outer = resolved(KernelChoices(gdn_precision="bf16"))
+    assert resolved(outer) is not None and resolved(outer) == outer and outer.gdn_precision == "bf16"
+    inner = resolved(outer.replace(attention="pallas"))  # another choice keeps the others
+    assert (inner.gdn_precision, inner.attention) == ("bf16", "pallas_gpu")
+    assert resolved(None).gdn_precision == "highest"
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -71,10 +85,10 @@ def test_the_config_carries_the_choices_through_a_checkpoints_json():
 
 
 def test_a_tiled_rules_backward_runs_the_forwards_choices():
-    # The tiled rule's backward retraces each tile when the gradient is taken, after a `with` around
-    # the forward alone has closed. It must still run the forward's choices: here bf16 matmuls, whose
-    # gradients differ from the float32 ones by ~1e-3 of their scale, so running the default in the
-    # backward would show; the same choices around the whole gradient agree to float32 rounding.
+    # The tiled rule's backward retraces each tile when the gradient is taken, after the forward's
+    # trace. It must still run the forward's choices: here bf16 matmuls, whose gradients differ from
+    # the float32 ones by ~1e-3 of their scale, so running the default in the backward would show; the
+    # same choices traced under jit agree to float32 rounding.
     rng = np.random.default_rng(0)
     b, s, h, d = 1, 64, 2, 16
     q, k = (jnp.asarray(x / np.linalg.norm(x, axis=-1, keepdims=True)) for x in rng.normal(size=(2, b, s, h, d)))
@@ -82,18 +96,16 @@ def test_a_tiled_rules_backward_runs_the_forwards_choices():
     g = jnp.asarray(-0.1 * np.abs(rng.normal(size=(b, s, h))))
     beta = jnp.asarray(1 / (1 + np.exp(-rng.normal(size=(b, s, h)))))
     args = tuple(x.astype(jnp.float32) for x in (q, k, v, g, beta))
-    choices = {"gdn_precision": "bf16", "sequence_tile": 16}  # 4 tiles of 2 chunks
+    choices = KernelChoices(gdn_precision="bf16", sequence_tile=16)  # 4 tiles of 2 chunks
 
-    def loss(*xs):
-        return jnp.sum(jnp.sin(chunked_gated_delta_rule(*xs, chunk_size=8)[0]))
+    def loss(*xs, kernels=None):
+        return jnp.sum(jnp.sin(chunked_gated_delta_rule(*xs, chunk_size=8, choices=kernels)[0]))
 
     def loss_choosing_inside(*xs):
-        with kernel_choices(**choices):
-            return loss(*xs)
+        return loss(*xs, kernels=choices)
 
     inside = jax.grad(loss_choosing_inside, argnums=range(5))(*args)
-    with kernel_choices(**choices):
-        around = jax.grad(loss, argnums=range(5))(*args)
+    around = jax.jit(jax.grad(loss_choosing_inside, argnums=range(5)))(*args)
     default = jax.grad(loss, argnums=range(5))(*args)
     for got, want, other in zip(inside, around, default):
         scale = float(jnp.abs(want).max())

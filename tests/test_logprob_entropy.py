@@ -337,6 +337,10 @@ def test_one_pass_tile_statistics():
 
 def test_auto_backend_on_cpu_is_xla():
     assert api.resolve_backend("auto") == ("pallas" if jax.default_backend() == "tpu" else "xla")
+    from qwen35_kernels.choices import KernelChoices
+
+    assert api.resolve_backend(None, KernelChoices(platform="tpu")) == "pallas"  # the choices' platform
+    assert api.resolve_backend(choices=KernelChoices(logprob_backend="pallas_xla")) == "pallas_xla"
 
 
 @pytest.mark.parametrize(

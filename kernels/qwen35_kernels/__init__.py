@@ -6,7 +6,8 @@
 - `attention`: causal, document-masked attention (XLA, Pallas flash on GPU/TPU, cuDNN) and the decode
   step's attention against a key/value cache.
 - `gdn_inputs`: causal conv1d + SiLU within documents, L2 norm.
-- `choices`: `KernelChoices`, which kernel runs each op, "auto" resolved per platform.
+- `choices`: `KernelChoices`, which kernel runs each op, "auto" resolved per platform; every op takes
+  it as its `choices=` argument (None: the defaults for jax's backend, `resolved(None)`).
 
 Names load on first use: `import qwen35_kernels.choices` (a model config's field) loads neither jax nor
 the kernels, so a command line parses its options before jax loads.
@@ -19,7 +20,8 @@ from typing import Any
 
 _EXPORTS = {
     "attention_core": "attention", "decode_attention": "attention",
-    "KernelChoices": "choices", "current_choices": "choices", "kernel_choices": "choices",
+    "KernelChoices": "choices", "resolved": "choices",
+    "current_choices": "choices", "kernel_choices": "choices",  # TEMPORARY (issue 43)
     "chunk_gated_delta_rule": "gated_delta_rule", "fused_recurrent_gated_delta_rule": "gated_delta_rule",
     "causal_conv1d_silu": "gdn_inputs", "causal_conv1d_update": "gdn_inputs", "l2_normalize": "gdn_inputs",
     **{name: "logprob_entropy" for name in ("BACKENDS", "MODES", "linear_logprob_entropy",

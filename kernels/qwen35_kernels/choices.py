@@ -1,8 +1,9 @@
 """Which kernel runs each op, as one frozen value, and the one place where "auto" is resolved.
 
 `KernelChoices` names the attention implementation, the delta rule's chunk-state scan, its matmul
-precision, what the GDN mixer keeps for its backward, the sequence tile and the GDN state kernel's
-blocks. `resolve(platform)` replaces every "auto" by what that platform ("cpu", "gpu", "tpu") runs:
+precision, what the GDN mixer keeps for its backward, which kernels make the GDN rule's inputs, the
+fused log-prob backend, the sequence tile and the GDN state kernel's blocks. `resolve(platform)`
+replaces every "auto" by what that platform ("cpu", "gpu", "tpu") runs:
 
 | choice | cpu | gpu | tpu |
 | --- | --- | --- | --- |
@@ -10,12 +11,14 @@ blocks. `resolve(platform)` replaces every "auto" by what that platform ("cpu", 
 | gdn_chunk_scan | sequential | pallas (Triton) | associative |
 | gdn_precision | highest | default (TF32 for float32) | default |
 | gdn_remat | none | states (with the pallas scan) | none |
+| gdn_inputs | xla | pallas (with the pallas scan) | xla |
+| logprob_backend | xla | xla | pallas |
 
-A model's config carries a `KernelChoices`; the train, eval and score steps trace under it, backward
-included (`traced`), and a kernel reads the resolved value with `current_choices()`. The platform is
-the value's own (`platform=`) when set, so a tool can trace the program of a GPU or TPU that is not
-there by naming it; otherwise the backend jax runs on. Outside any `traced` block the kernels see the defaults
-resolved for that backend.
+A model's config carries a `KernelChoices`; its layers pass it down, and every public op takes it as
+an argument (`choices=`; None: the defaults for jax's backend, `resolved(None)`), resolving it once
+and handing the resolved value (or what it implies: Triton interpretation, blocks, precision) to
+everything it calls. The platform is the value's own (`platform=`) when set, so a tool can trace the
+program of a GPU or TPU that is not there by naming it; otherwise the backend jax runs on.
 """
 
 from __future__ import annotations
@@ -26,11 +29,12 @@ import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
-PLATFORMS = ("cpu", "gpu", "tpu")
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "cudnn")
 GDN_CHUNK_SCANS = ("auto", "sequential", "associative", "pallas")
 GDN_PRECISIONS = ("auto", "highest", "high", "default", "bf16")
 GDN_REMATS = ("auto", "none", "states")
+GDN_INPUTS = ("auto", "xla", "pallas")
+LOGPROB_BACKENDS = ("auto", "pallas", "xla", "pallas_xla", "reference")
 DEFAULT_SEQUENCE_TILE = 8192  # tokens per tile of each device's shard
 # (state columns per program, Triton warps per program) of the GDN state kernel: [Dk, 64] float32 lives
 # in registers at Dk = 128, and B x H x Dv / 64 programs run side by side.
@@ -50,10 +54,13 @@ class KernelChoices:
     # set by `resolve`: where the Triton state kernel cannot take the head or chunk sizes, the scan to
     # run instead ("associative" when the scan was "auto"; None: a one-line error)
     gdn_chunk_scan_fallback: str | None = None
+    gdn_inputs: str = "auto"  # auto | xla | pallas: the GDN conv + SiLU + L2 norms (pallas: Triton kernels)
+    logprob_backend: str = "auto"  # auto | pallas | xla | pallas_xla | reference: the fused log-prob op
 
     def __post_init__(self) -> None:
         for name, allowed in (("attention", ATTENTION_IMPLEMENTATIONS), ("gdn_chunk_scan", GDN_CHUNK_SCANS),
-                              ("gdn_precision", GDN_PRECISIONS), ("gdn_remat", GDN_REMATS)):
+                              ("gdn_precision", GDN_PRECISIONS), ("gdn_remat", GDN_REMATS),
+                              ("gdn_inputs", GDN_INPUTS), ("logprob_backend", LOGPROB_BACKENDS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"kernel choice {name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.sequence_tile is not None and (isinstance(self.sequence_tile, bool) or int(self.sequence_tile) < 0):
@@ -67,11 +74,16 @@ class KernelChoices:
         object.__setattr__(self, "gdn_kernel_blocks", (block_v, warps))
 
     def replace(self, **changes: Any) -> KernelChoices:
+        """These choices with `changes` (field=value) made. A scan named here has no fallback of its own
+        (resolving "auto" gives it one): replacing the scan of a resolved value drops the fallback."""
+        if "gdn_chunk_scan" in changes:
+            changes = {"gdn_chunk_scan_fallback": None, **changes}
         return dataclasses.replace(self, **changes)
 
     def resolve(self, platform: str | None = None) -> KernelChoices:
         """Every "auto" replaced for the value's own platform, else `platform`, else jax's backend;
-        a one-line ValueError for a choice that platform cannot run (cuDNN off a GPU)."""
+        a one-line ValueError for a choice that platform cannot run (cuDNN off a GPU). Resolving a
+        resolved value returns it unchanged."""
         if not (self.platform or platform):
             import jax  # here, not at the top: a config that holds these choices loads without jax
 
@@ -94,53 +106,82 @@ class KernelChoices:
         remat = self.gdn_remat
         if remat == "auto":
             remat = "states" if scan == "pallas" else "none"
+        # the Triton input kernels on a GPU with the Pallas chunk scan (whose alternative, the "associative"
+        # scan, is then XLA throughout)
+        inputs = self.gdn_inputs
+        if inputs == "auto":
+            inputs = "pallas" if platform == "gpu" and scan == "pallas" else "xla"
+        # GPU runs "xla": on an H200 (T = 8192, D = 4096, V = 248,320, bf16) its forward+backward took
+        # 0.27 s against the Triton kernel's 1.25 s, whose float32 atomic adds into dh and dW cost more
+        # than the logit tiles XLA writes to memory (docs/kernels.md)
+        logprob = self.logprob_backend
+        if logprob == "auto":
+            logprob = "pallas" if platform == "tpu" else "xla"
         return dataclasses.replace(self, attention=attention, gdn_chunk_scan=scan, gdn_precision=precision,
-                                   gdn_remat=remat, platform=platform, gdn_chunk_scan_fallback=fallback)
+                                   gdn_remat=remat, platform=platform, gdn_chunk_scan_fallback=fallback,
+                                   gdn_inputs=inputs, logprob_backend=logprob)
 
-    @contextlib.contextmanager
-    def traced(self) -> Iterator[KernelChoices]:
-        """Kernels traced inside the block run these choices, resolved (the value it yields). Like any
-        trace-time setting it must wrap the first trace of a jitted function: jit caches traces."""
-        resolved = self.resolve()
-        token = _active.set((self, resolved))
-        try:
-            yield resolved
-        finally:
-            _active.reset(token)
+    @property
+    def interpret(self) -> bool:
+        """Whether a Triton (Pallas GPU) kernel runs interpreted: anywhere but on a GPU (a resolved value)."""
+        return self.platform != "gpu"
 
 
-# (as requested, resolved) of the innermost `traced` block
+def resolved(choices: KernelChoices | None = None) -> KernelChoices:
+    """`choices` resolved (`KernelChoices.resolve`); None: the defaults for jax's backend."""
+    if choices is None:
+        return _compat_default().resolve()  # TEMPORARY (issue 43): KernelChoices().resolve()
+    return choices.resolve()
+
+
+def overridden(choices: KernelChoices | None, **changes: Any) -> KernelChoices:
+    """`choices` (None: the defaults) with the per-call overrides among `changes` that are not None
+    made, resolved: what an op runs when its caller names one choice (`precision=`, `chunk_scan=`)."""
+    changes = {name: value for name, value in changes.items() if value is not None}
+    base = _compat_default() if choices is None else choices  # TEMPORARY (issue 43): KernelChoices()
+    return base.replace(**changes).resolve() if changes else base.resolve()
+
+
+# ---- TEMPORARY (issue 43): until the call sites outside the kernels pass their choices ----
+# `traced` blocks still set a context that `resolved(None)` reads, so code that does not pass choices
+# yet keeps its behaviour. Removed once model.py, attention.py, gated_deltanet.py, losses.py,
+# scoring.py, train/step.py and generation/programs.py pass `config.kernels`.
 _active: contextvars.ContextVar[tuple[KernelChoices, KernelChoices] | None] = contextvars.ContextVar(
     "kernel_choices", default=None)
 
 
-def current_choices() -> KernelChoices:
-    """The resolved choices of the enclosing `traced` block; the defaults for jax's backend outside one."""
+def _compat_default() -> KernelChoices:
     active = _active.get()
-    return KernelChoices().resolve() if active is None else active[1]
+    if active is None:
+        return KernelChoices()
+    return active[0] if active[0].platform else active[0].replace(platform=active[1].platform)
+
+
+@contextlib.contextmanager
+def _traced(self: KernelChoices) -> Iterator[KernelChoices]:
+    resolved_value = self.resolve()
+    token = _active.set((self, resolved_value))
+    try:
+        yield resolved_value
+    finally:
+        _active.reset(token)
+
+
+KernelChoices.traced = _traced  # type: ignore[attr-defined]
+
+
+def current_choices() -> KernelChoices:
+    return resolved(None)
 
 
 def requested_choices() -> KernelChoices:
-    """The choices of the enclosing `traced` block as requested ("auto" kept); the defaults outside one."""
     active = _active.get()
     return KernelChoices() if active is None else active[0]
 
 
-def _requested_with(changes: dict[str, Any]) -> KernelChoices:
-    """The enclosing block's choices as requested, with `changes` (field=value) made; a scan named
-    explicitly has no fallback of its own (resolving "auto" gives it one)."""
-    if "gdn_chunk_scan" in changes:
-        changes = {"gdn_chunk_scan_fallback": None, **changes}
-    return requested_choices().replace(**changes)
-
-
 def choices_with(**changes: Any) -> KernelChoices:
-    """The choices in force with `changes` made, resolved for the platform in force unless `changes`
-    names one: what a kernel runs when its caller names one choice (a `precision=` argument)."""
-    return _requested_with(changes).resolve(current_choices().platform)
+    return overridden(None, **changes)
 
 
 def kernel_choices(**changes: Any) -> contextlib.AbstractContextManager[KernelChoices]:
-    """`traced` for the enclosing block's choices (as requested) with `changes` (field=value) made: a
-    test or benchmark switches one choice without restating the others."""
-    return _requested_with(changes).traced()
+    return requested_choices().replace(**changes).traced()  # type: ignore[attr-defined]

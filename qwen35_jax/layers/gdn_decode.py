@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.choices import KernelChoices
 from qwen35_kernels.gated_delta_rule.api import fused_recurrent_gated_delta_rule
 from qwen35_kernels.gdn_inputs.xla import causal_conv1d_update
 
@@ -44,15 +45,17 @@ def gdn_decode_step(
     cache: GdnCache,  # conv [B, Kc - 1, C], state [B, Hv, Dk, Dv] float32
     *,
     eps: float,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, GdnCache]:  # out [B, 1, Hv, Dv] in q's dtype, the cache after the token
-    """The mixer on one more token of every row."""
+    """The mixer on one more token of every row (XLA throughout; `choices`, None: the defaults for jax's
+    backend, give the platform the conv is traced for)."""
     q, k, v = tokens.q, tokens.k, tokens.v
     b, kc1 = q.shape[0], conv_halo(weights)
     sizes = [x.shape[2] * x.shape[3] for x in (q, k, v)]
     windows = jnp.split(cache.conv, [sizes[0], sizes[0] + sizes[1]], axis=-1)  # [B, Kc - 1, H * d] each
     convolved, new_windows = [], []
     for x, window, kernel in zip((q, k, v), windows, (weights.conv_q, weights.conv_k, weights.conv_v)):
-        y, window = causal_conv1d_update(x, window.reshape(b, kc1, *x.shape[2:]), kernel)
+        y, window = causal_conv1d_update(x, window.reshape(b, kc1, *x.shape[2:]), kernel, choices=choices)
         convolved.append(y)
         new_windows.append(window.reshape(b, kc1, -1))
     beta, g = gates(tokens.b, tokens.a, weights.A_log, weights.dt_bias)  # [B, 1, Hv] float32 each

@@ -30,6 +30,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
+from qwen35_kernels.choices import KernelChoices, resolved
 from qwen35_kernels.gated_delta_rule.chunk_states import apply_gdn_remat
 from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
 from qwen35_kernels.gated_delta_rule.tiles import delta_rule_tile, document_starts_tile, tile_scan
@@ -90,10 +91,11 @@ def _state_map_passes(
     *,
     segment_ids: jax.Array,  # [B, T]
     chunk_size: int,
+    choices: KernelChoices,
 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """The two delta-rule passes of the affine state map S = M S_0 + C: values v from C's state
     (outputs [B, T, Hv, Dv] and C after) and zero values from M's (M_t^T q_t [B, T, Hv, Dk] and M after)."""
-    rule = dict(segment_ids=segment_ids, chunk_size=chunk_size)
+    rule = dict(segment_ids=segment_ids, chunk_size=chunk_size, choices=choices)
     out_c, c_end = chunked_gated_delta_rule(q, k, v, g, beta, initial_state=c0, **rule)
     zeros = jnp.zeros((*v.shape[:3], q.shape[-1]), jnp.float32)
     out_m, m_end = chunked_gated_delta_rule(q, k, zeros, g, beta, initial_state=m0, **rule)
@@ -113,20 +115,22 @@ def _local_gdn(
     chunk_size: int,
     sp: int,
     tile: int | None,
+    choices: KernelChoices,
+    recomputed: bool = False,
 ) -> jax.Array:  # [B, L, Hv, Dv]
     """The whole shard at once (tile None): one pass with S_0 = 0 (outputs and C), one with S_0 = I
     and v = 0 (M_t^T q_t and M), then the outputs corrected by the folded entering state. With a
-    tile, `_two_sweeps`."""
+    tile, `_two_sweeps`. `recomputed`: inside `apply_gdn_remat`'s checkpoint."""
     q, k, v, z, b, a = tokens
     B, _, _, Dk = q.shape
     halo, reset = _halo_and_reset(q, k, v, segment_ids, conv_halo(weights), sp)
     if tile is not None:
         return _two_sweeps(tokens, weights, segment_ids, halo, reset, eps=eps, chunk_size=chunk_size, sp=sp,
-                           tile=tile)
+                           tile=tile, choices=choices)
     dtype = q.dtype
-    q, k, v, g, beta = rule_inputs(q, k, v, b, a, weights, segment_ids, halo)
+    q, k, v, g, beta = rule_inputs(q, k, v, b, a, weights, segment_ids, halo, choices=choices, recomputed=recomputed)
     out0, c_end, mq, m_end = _state_map_passes(q, k, v, g, beta, _identity_map(B, v.shape[2], Dk), None,
-                                               segment_ids=segment_ids, chunk_size=chunk_size)
+                                               segment_ids=segment_ids, chunk_size=chunk_size, choices=choices)
     start = _entering_state(m_end, c_end, reset, sp)
     out = out0 + jnp.einsum("bshk,bhkv->bshv", mq, start, precision=jax.lax.Precision.HIGHEST)
     return gated_rms_norm(out.astype(dtype), z, weights.norm_weight, eps)  # [B, L, Hv, Dv]
@@ -143,6 +147,7 @@ def _two_sweeps(
     chunk_size: int,
     sp: int,
     tile: int,
+    choices: KernelChoices,
 ) -> jax.Array:  # [B, L, Hv, Dv]
     """The shard in two sweeps of `tile` tokens, so that no float32 array of the mixer spans the
     shard: the first carries the shard's map (M, C) from tile to tile (each tile's conv, norms, gates
@@ -159,9 +164,9 @@ def _two_sweeps(
             ) -> tuple[jax.Array, jax.Array]:  # [M | C] entering [B, Hv, Dk, Dk + Dv] -> (unused [B, 1], after)
         qt, kt, vt, bt, at, hq, hk, hv = xs
         st, hs = ids_i
-        qr, kr, vr, g, beta = rule_inputs(qt, kt, vt, bt, at, ws, st, (hq, hk, hv, hs))
+        qr, kr, vr, g, beta = rule_inputs(qt, kt, vt, bt, at, ws, st, (hq, hk, hv, hs), choices=choices)
         _, c_after, _, m_after = _state_map_passes(qr, kr, vr, g, beta, state[..., :Dk], state[..., Dk:],
-                                                   segment_ids=st, chunk_size=chunk_size)
+                                                   segment_ids=st, chunk_size=chunk_size, choices=choices)
         return jnp.zeros((B, 1), jnp.float32), jnp.concatenate([m_after, c_after], axis=-1)
 
     state0 = jnp.concatenate([_identity_map(B, Hv, Dk), jnp.zeros((B, Hv, Dk, Dv), jnp.float32)],
@@ -169,7 +174,7 @@ def _two_sweeps(
     _, ends = tile_scan(one, state0, tiles, weights, ids,
                         document_starts_tile(ids[0]))  # a document start inside the shard drops M and C
     start = _entering_state(ends[..., :Dk], ends[..., Dk:], reset, sp)
-    segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size)
+    segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size, choices=choices)
     return tiled_gdn_core(segment, tokens, weights, segment_ids, tile=tile, halo=h, first_halo=halo,
                           initial_state=start)
 
@@ -182,8 +187,11 @@ def gdn_state_passing(
     mesh: jax.sharding.AbstractMesh,
     eps: float,
     chunk_size: int,
+    choices: KernelChoices | None = None,  # TEMPORARY default (issue 43): until gated_deltanet.py passes it
 ) -> jax.Array:  # [B, S/sp, Hv, Dv]
-    """The gated DeltaNet mixer on sequence shards with state passing (see the module docstring)."""
+    """The gated DeltaNet mixer on sequence shards with state passing (see the module docstring), by
+    the kernels of `choices` (None: the defaults for jax's backend)."""
+    choices = resolved(choices)
     sp = mesh_axis_size(mesh, SP)
     bsz, s = tokens.q.shape[:2]
     halo = conv_halo(weights)
@@ -196,11 +204,12 @@ def gdn_state_passing(
     seq4, seq3 = P(batch, SP, None, None), P(batch, SP, None)
     in_specs = (GdnTokens(q=seq4, k=seq4, v=seq4, z=seq4, b=seq3, a=seq3), GdnWeights(*[P()] * 6), P(batch, SP))
 
-    tile = delta_rule_tile(chunk_size)
+    tile = delta_rule_tile(chunk_size, choices)
     if tile is not None and s // sp > tile:  # long shards: two sweeps of tiles, their backward written out
-        local = functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=tile)
+        local = functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=tile, choices=choices)
     else:
-        local = apply_gdn_remat(functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=None))
+        local = apply_gdn_remat(functools.partial(_local_gdn, eps=eps, chunk_size=chunk_size, sp=sp, tile=None,
+                                                  choices=choices), choices)
 
     with jax.named_scope(GDN_STATE_SCOPE):
         return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=seq4, check_vma=False)(

@@ -61,6 +61,7 @@ class SparseMoeBlock(nnx.Module):
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.recompute = config.remat == "mlp"  # recomputed in the backward even where not tiled
+        self.tile = config.kernels.sequence_tile  # tokens per tile of long sequences (None: untiled)
         lin = dict(use_bias=False, dtype=jnp.dtype(config.dtype), param_dtype=jnp.dtype(config.param_dtype),
                    rngs=rngs, kernel_init=nnx.initializers.normal(0.02))
         self.gate = Linear(config.hidden_size, config.num_experts, **lin)  # router
@@ -70,7 +71,7 @@ class SparseMoeBlock(nnx.Module):
 
     def __call__(self, x: jax.Array) -> jax.Array:
         """x: [B, S, D] -> [B, S, D]; long sequences tile by tile (routing is per token)."""
-        return tiled_over_sequence(SparseMoeBlock.route_and_mix, self, x, recompute=self.recompute)
+        return tiled_over_sequence(SparseMoeBlock.route_and_mix, self, x, recompute=self.recompute, tile=self.tile)
 
     def route_and_mix(self, x: jax.Array) -> jax.Array:  # [B, S, D] -> [B, S, D]
         b, s, d = x.shape

@@ -1,10 +1,11 @@
 """Sequence tiling of token-local work: each tile recomputed in the backward pass, so that no
 [tokens, intermediate] buffer exists for the whole sequence (ALST's TiledMLP).
 
-`tiled_over_sequence(fn, module, x)`: `fn(module, x)` for a token-local `fn` (RMSNorm + MLP +
-residual, the MoE block) over tiles of the kernel choices' `sequence_tile` tokens of each device's own sequence shard.
-Exact: every token is computed on its own. The tile is the delta rule's (`qwen35_kernels.
-gated_delta_rule.tiles.sequence_tile`), so one setting tiles the whole step.
+`tiled_over_sequence(fn, module, x, tile=...)`: `fn(module, x)` for a token-local `fn` (RMSNorm + MLP +
+residual, the MoE block) over tiles of `tile` tokens of each device's own sequence shard. Exact:
+every token is computed on its own. The caller passes its kernel choices' `sequence_tile`, the
+delta rule's tile too (`qwen35_kernels.gated_delta_rule.tiles.delta_rule_tile`), so one setting
+tiles the whole step.
 """
 
 from __future__ import annotations
@@ -17,20 +18,27 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
-from qwen35_kernels.gated_delta_rule.tiles import current_sequence_tile, zeros_after
+from qwen35_kernels.gated_delta_rule.tiles import zeros_after
 
 from qwen35_jax.parallel.mesh import FSDP, SP, auto_mesh, constrain, mesh_axis_size
 
+_UNSET: Any = object()  # TEMPORARY (issue 43)
+
 
 def tiled_over_sequence(fn: Callable[[Any, jax.Array], jax.Array], module: nnx.Module,
-                        x: jax.Array, *, recompute: bool = False) -> jax.Array:  # [B, S, D] -> [B, S, D]
-    """`fn(module, x)` tile by tile along S; under a mesh each device tiles its own [B, S/sp, D] shard.
+                        x: jax.Array, *, recompute: bool = False, tile: int | None = _UNSET
+                        ) -> jax.Array:  # [B, S, D] -> [B, S, D]
+    """`fn(module, x)` tile by tile along S, `tile` tokens at a time (None: untiled; the kernel
+    choices' `sequence_tile`); under a mesh each device tiles its own [B, S/sp, D] shard.
 
     `fn` must be token-local (token t of the output depends on token t of the input only) and keep
     the shape. Each tile's forward is rematerialised in the backward; only the tiles' inputs are kept.
     `recompute`: rematerialise `fn` also where the sequence fits one tile (remat "mlp"), keeping x only.
     """
-    tile = current_sequence_tile()
+    if tile is _UNSET:  # TEMPORARY (issue 43): until model.py passes its tile
+        from qwen35_kernels.choices import resolved
+
+        tile = resolved(None).sequence_tile
     b, s, d = x.shape
     mesh = auto_mesh()
     sp = mesh_axis_size(mesh, SP)

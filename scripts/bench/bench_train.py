@@ -174,8 +174,11 @@ def runs(args: argparse.Namespace) -> list[tuple[str, object, int, int]]:
     from qwen35_bench.train_step import planned_runs
 
     overrides = {k: getattr(args, k) for k in SETTINGS if getattr(args, k) is not None}
-    return planned_runs(args.config, preset=args.preset, overrides=overrides, batch=args.batch, seq=args.seq,
-                        remat=parse_remat(args.remat), dtype=args.dtype, scan_layers=args.scan_layers)
+    planned = planned_runs(args.config, preset=args.preset, overrides=overrides, batch=args.batch, seq=args.seq,
+                           remat=parse_remat(args.remat), dtype=args.dtype, scan_layers=args.scan_layers)
+    changes = getattr(args, "kernel_changes", {})  # the kernel flags, into each config's kernel choices
+    return [(name, config.replace(kernels=config.kernels.replace(**changes)), batch, seq)
+            for name, config, batch, seq in planned]
 
 
 def time_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
@@ -241,7 +244,6 @@ def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] |
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
-    from qwen35_kernels.choices import kernel_choices
 
     from qwen35_bench.report import breakdown_table, table
 
@@ -251,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         chosen = {"gdn_precision": args.gdn_precision, "gdn_chunk_scan": args.gdn_chunk_scan,
                   "gdn_remat": args.gdn_remat}
-        with kernel_choices(**{name: value for name, value in chosen.items() if value is not None}):
-            rows, breakdown = time_rows(args)  # our train steps take these choices into their configs
+        args.kernel_changes = {name: value for name, value in chosen.items() if value is not None}
+        rows, breakdown = time_rows(args)  # our train steps take these choices into their configs
     threads = ""
     if args.run_torch:
         import torch

@@ -19,11 +19,14 @@ cuDNN 9.6 or newer, compute capability 9.0 or newer, head dim <= 256 and a multi
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.attention.pallas import check_attention_inputs, gpu_flash_attention
+from qwen35_kernels.attention.checks import check_attention_inputs
+from qwen35_kernels.attention.pallas_gpu import gpu_flash_attention
+from qwen35_kernels.choices import KernelChoices
 
 DEFAULT_MAX_SEGMENTS = 32
 
@@ -75,13 +78,17 @@ def cudnn_packed_attention(q: jax.Array, k: jax.Array, v: jax.Array, seqlen: jax
 def cudnn_flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                           max_segments: int = DEFAULT_MAX_SEGMENTS,
                           packed_attention: PackedAttention = cudnn_packed_attention,
-                          fallback: Callable[..., jax.Array] = gpu_flash_attention) -> jax.Array:
+                          fallback: Callable[..., jax.Array] | None = None,
+                          choices: KernelChoices | None = None) -> jax.Array:
     """Causal document-masked attention through cuDNN, `fallback` for rows cuDNN cannot take exactly.
 
     q: [B, S, H, Dh], k/v: [B, S, K, Dh] (bf16 or fp16), segment_ids: [B, S] -> [B, S, H, Dh].
     `packed_attention` is the packed-segment primitive (cuDNN; tests pass a reference of it),
-    `fallback` any kernel of `attention_core`'s signature.
+    `fallback` any kernel `(q, k, v, segment_ids) -> out` (None: the Pallas Triton kernel for the
+    `choices`' platform).
     """
+    if fallback is None:
+        fallback = functools.partial(gpu_flash_attention, choices=choices)
     check_attention_inputs(q, k, v, segment_ids)
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"attention implementation 'cudnn' needs bfloat16 or float16 q/k/v (the compute "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.choices import KernelChoices
 from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
 from qwen35_kernels.gated_delta_rule.reference import recurrent_gated_delta_rule
 from qwen35_kernels.gdn_inputs.xla import l2_normalize
@@ -55,17 +56,20 @@ def chunk_gated_delta_rule(
     chunk_size: int = 64,
     chunk_scan: str | None = None,
     precision: str | None = None,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array | None]:  # o [B, T, HV, Dv] in q.dtype, final state [B, HV, Dk, Dv] float32
     """The gated delta rule by chunks of `chunk_size` tokens (see the module docstring).
 
-    `chunk_scan` ("sequential", "associative", "pallas"; None: "auto" for this backend) carries the
-    state from chunk to chunk; `precision` ("highest", "high", "default", "bf16"; None: "auto") is
-    that of the matmuls with a head-dim contraction. Neither changes the result beyond rounding."""
+    `chunk_scan` ("sequential", "associative", "pallas"; None: the `choices`') carries the state from
+    chunk to chunk; `precision` ("highest", "high", "default", "bf16"; None: the `choices`') is that of
+    the matmuls with a head-dim contraction. Neither changes the result beyond rounding. `choices`
+    (`qwen35_kernels.choices.KernelChoices`; None: the defaults for jax's backend) also give the
+    platform, the sequence tile and the Triton state kernel's blocks."""
     out_dtype = q.dtype
     q, k = _prepared_qk(q, k, scale, use_qk_l2norm_in_kernel)
     o, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=segment_ids, initial_state=initial_state,
                                         chunk_size=chunk_size, chunk_scan=chunk_scan, precision=precision,
-                                        out_dtype=out_dtype)
+                                        out_dtype=out_dtype, choices=choices)
     return o, state if output_final_state else None
 
 

@@ -33,7 +33,6 @@ All three are exact rewritings of the same recurrence; they differ only in float
 
 from __future__ import annotations
 
-import contextvars
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -41,16 +40,16 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from qwen35_kernels.choices import choices_with, current_choices
+from qwen35_kernels.choices import DEFAULT_GDN_KERNEL_BLOCKS, KernelChoices, resolved
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, bf16_operands, gdn_einsum
 from qwen35_kernels.gated_delta_rule.pallas_chunk_outputs import chunk_outputs, chunk_outputs_backward
 from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
     CHUNK_STATES_NAME,
+    Blocks,
     entering_states,
     entering_states_backward,
     kernel_fits,
 )
-from qwen35_kernels.trace_setting import scoped
 
 # What the GDN mixer keeps for its backward pass (`gdn_segment.gdn_segment`):
 # - "none": no recompute; autodiff keeps every intermediate it needs, about 230 KB per token and layer
@@ -64,37 +63,25 @@ from qwen35_kernels.trace_setting import scoped
 # - "auto" (`choices.KernelChoices.resolve`): "states" with the Pallas chunk scan, "none" otherwise
 #   (the sequential scan on CPU names no states, so "states" there would rerun the whole scan).
 RULE_OUTPUT_NAME = "gdn_rule_output"
-# Set while a mixer that `apply_gdn_remat` recomputes is traced: not a choice, the structure of the trace
-_inside_recomputed_mixer: contextvars.ContextVar[bool] = contextvars.ContextVar("gdn_inside_recomputed_mixer",
-                                                                                default=False)
 
 
-def apply_gdn_remat(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` (a GDN mixer) as the kernel choices' `gdn_remat` says: for "states" checkpointed so that only
-    its inputs, the named chunk states and the named rule output are kept for the backward, else unchanged."""
-    if current_choices().gdn_remat == "states":
-        def traced_as_recomputed(*args: Any) -> Any:
-            with scoped(_inside_recomputed_mixer, True):
-                return fn(*args)
-
+def apply_gdn_remat(fn: Callable[..., Any], choices: KernelChoices | None) -> Callable[..., Any]:
+    """`fn` (a GDN mixer, taking a keyword `recomputed`) as the `choices`' `gdn_remat` says (None: the
+    defaults for jax's backend): for "states" `fn(..., recomputed=True)` checkpointed so that only its
+    inputs, the named chunk states and the named rule output are kept for the backward (its parts then
+    need no checkpoint of their own: that would evaluate them a third time), else `fn(..., recomputed=False)`."""
+    if resolved(choices).gdn_remat == "states":
         policy = jax.checkpoint_policies.save_only_these_names(CHUNK_STATES_NAME, RULE_OUTPUT_NAME)
-        return jax.checkpoint(traced_as_recomputed, policy=policy)
-    return fn
+        return jax.checkpoint(functools.partial(fn, recomputed=True), policy=policy)
+    return functools.partial(fn, recomputed=False)
 
 
-def inside_recomputed_mixer() -> bool:
-    """Whether the code being traced is inside a mixer that `apply_gdn_remat` recomputes in the backward
-    (its parts then need no checkpoint of their own: that would evaluate them a third time)."""
-    return _inside_recomputed_mixer.get()
-
-
-def chunk_scan_for(name: str | None, dk: int, dv: int, chunk: int) -> str:
-    """The scan to run for these head and chunk sizes: `name` (None: the kernel choices' scan; "auto"
-    resolved for their platform), except that where the Triton kernel cannot take the sizes (on GPU)
-    the fallback of "auto" runs ("associative") and an explicit "pallas" is a one-line error."""
-    choices = current_choices() if name is None else choices_with(gdn_chunk_scan=name)
+def chunk_scan_for(choices: KernelChoices, dk: int, dv: int, chunk: int) -> str:
+    """The scan to run for these head and chunk sizes: the resolved `choices`' scan, except that where
+    the Triton kernel cannot take the sizes (on GPU) the fallback of "auto" runs ("associative") and an
+    explicit "pallas" is a one-line error."""
     scan = choices.gdn_chunk_scan
-    if scan != "pallas" or choices.platform != "gpu" or kernel_fits(dk, dv, chunk):
+    if scan != "pallas" or choices.platform != "gpu" or kernel_fits(dk, dv, chunk, choices.gdn_kernel_blocks):
         return scan
     if choices.gdn_chunk_scan_fallback is not None:
         return choices.gdn_chunk_scan_fallback
@@ -190,58 +177,63 @@ def associative_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Ar
 
 def scan_forward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array, decay: jax.Array,
                  state: jax.Array, prec: GdnPrecision, interpret: bool, out_dtype: jnp.dtype = jnp.float32,
-                 token_major: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                 token_major: bool = False, blocks: Blocks = DEFAULT_GDN_KERNEL_BLOCKS
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The Pallas scan's forward kernels (no VJP; shapes as `sequential_chunk_states`) -> out (in
     `out_dtype`, [B, n L, H, Dv] with `token_major`), the states [B, n + 1, H, Dk, Dv] (float32;
     bfloat16 under bf16 precision) named CHUNK_STATES_NAME, and the final state in float32. A remat
     policy that saves the name keeps the recurrence kernel out of the recomputed forward (a name on a
     custom_vjp's output alone does not reach its residuals). w, q, k and intra may be bfloat16 under
-    bf16 precision."""
-    states, final = entering_states(u, w, k, decay, state, prec, interpret)
+    bf16 precision. `blocks`: the state kernel's (state columns, warps), the kernel choices' `gdn_kernel_blocks`."""
+    states, final = entering_states(u, w, k, decay, state, prec, interpret, blocks)
     states = checkpoint_name(states, CHUNK_STATES_NAME)
-    return chunk_outputs(u, w, q, intra, states, prec, interpret, out_dtype, token_major), states, final
+    return chunk_outputs(u, w, q, intra, states, prec, interpret, out_dtype, token_major, blocks), states, final
 
 
 def scan_backward(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array, decay: jax.Array,
                   states: jax.Array, d_out: jax.Array, d_final: jax.Array, prec: GdnPrecision, interpret: bool,
-                  token_major: bool = False) -> tuple[jax.Array, ...]:  # du, dw, dq, dk, dintra, d_decay, d_state
+                  token_major: bool = False, blocks: Blocks = DEFAULT_GDN_KERNEL_BLOCKS
+                  ) -> tuple[jax.Array, ...]:  # du, dw, dq, dk, dintra, d_decay, d_state
     """The Pallas scan's backward kernels (float32 gradients) from `scan_forward`'s inputs and states and
     the cotangents of out (in its layout) and of the final state."""
     du, dw, dq, dintra, d_states = chunk_outputs_backward(u, w, q, intra, states, d_out, d_final, prec, interpret,
-                                                          token_major)
+                                                          token_major, blocks)
     # u and w feed both kernels: the chunk-gradient kernel adds the output kernel's share in registers
     du, dw, dk, d_decay, d_state = entering_states_backward(u, w, k, decay, states, d_states, prec, interpret,
-                                                            du_add=du, dw_add=dw)
+                                                            blocks, du_add=du, dw_add=dw)
     return du, dw, dq, dk, dintra, d_decay, d_state
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
-def _pallas_scan(u, w, q, k, intra, decay, state, prec, interpret):
-    out, _, final = scan_forward(u, w, q, k, intra, decay, state, prec, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _pallas_scan(u, w, q, k, intra, decay, state, prec, interpret, blocks):
+    out, _, final = scan_forward(u, w, q, k, intra, decay, state, prec, interpret, blocks=blocks)
     return out, final
 
 
-def _pallas_scan_fwd(u, w, q, k, intra, decay, state, prec, interpret):
-    out, states, final = scan_forward(u, w, q, k, intra, decay, state, prec, interpret)
+def _pallas_scan_fwd(u, w, q, k, intra, decay, state, prec, interpret, blocks):
+    out, states, final = scan_forward(u, w, q, k, intra, decay, state, prec, interpret, blocks=blocks)
     return (out, final), (u, w, q, k, intra, decay, states)
 
 
-def _pallas_scan_bwd(prec, interpret, res, cotangents):
-    return scan_backward(*res, *cotangents, prec, interpret)
+def _pallas_scan_bwd(prec, interpret, blocks, res, cotangents):
+    return scan_backward(*res, *cotangents, prec, interpret, blocks=blocks)
 
 
 _pallas_scan.defvjp(_pallas_scan_fwd, _pallas_scan_bwd)
 
 
 def pallas_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.Array, intra: jax.Array,
-                        decay: jax.Array, state: jax.Array, prec: GdnPrecision, *, interpret: bool | None = None
+                        decay: jax.Array, state: jax.Array, prec: GdnPrecision, *,
+                        choices: KernelChoices | None = None, interpret: bool | None = None
                         ) -> tuple[jax.Array, jax.Array]:
     """As `sequential_chunk_states`, with every chunk's entering state from the Pallas recurrence kernel
-    and the outputs from them by the Pallas output kernel, under one VJP. `interpret`: None runs the
-    Triton kernels on a GPU and interprets them elsewhere; False builds them for Triton anywhere."""
+    and the outputs from them by the Pallas output kernel, under one VJP; the state kernel's blocks are
+    the `choices`' (None: the defaults for jax's backend). `interpret`: None runs the Triton kernels on
+    the choices' GPU and interprets them elsewhere; False builds them for Triton anywhere."""
+    choices = resolved(choices)
     if interpret is None:
-        interpret = current_choices().platform != "gpu"
-    return _pallas_scan(u, w, q, k, intra, decay, state, prec, interpret)
+        interpret = choices.interpret
+    return _pallas_scan(u, w, q, k, intra, decay, state, prec, bool(interpret), choices.gdn_kernel_blocks)
 
 
 CHUNK_STATES = {"sequential": sequential_chunk_states, "associative": associative_chunk_states,

@@ -11,7 +11,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.choices import current_choices
+from qwen35_kernels.choices import KernelChoices, overridden
 from qwen35_kernels.gated_delta_rule.chunk_states import CHUNK_STATES, chunk_scan_for
 from qwen35_kernels.gated_delta_rule.matmul import gdn_einsum, operand_dtype, resolve_gdn_precision
 from qwen35_kernels.gated_delta_rule.pallas_chunk_local import local_kernel_fits
@@ -34,36 +34,39 @@ def chunked_gated_delta_rule(
     precision: str | None = None,
     chunk_scan: str | None = None,
     out_dtype: jnp.dtype = jnp.float32,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] out_dtype, [B, Hv, Dk, Dv] float32
     """Chunked UT/WY form: intra-chunk work as batched matmuls, then the state carried over chunks by
-    `chunk_scan` (see `chunk_states.py`; None: the kernel choices' `gdn_chunk_scan`, "auto" by default);
-    with the "pallas" scan all of it Pallas kernels under one VJP (`pallas_rule.py`).
+    `chunk_scan` (see `chunk_states.py`; None: the `choices`' `gdn_chunk_scan`, "auto" by default);
+    with the "pallas" scan all of it Pallas kernels under one VJP (`pallas_rule.py`). `choices` (None:
+    the defaults for jax's backend) also give the platform, the sequence tile and the state kernel's
+    blocks; `chunk_scan` and `precision` override theirs for this call.
 
     Document boundaries are masks on the intra-chunk decay matrix, on which tokens read the carried
     state, and on which tokens (and whether the old state) enter the state carried out of a chunk.
     Key heads are not repeated: the two Gram matrices (q k^T, k k^T) are formed once per key head and
     broadcast over its G = Hv / Hk value heads. `precision` (`choices.GDN_PRECISIONS`; None:
-    the kernel choices') is that of the matmuls with a head-dim contraction; the triangular
+    the `choices`') is that of the matmuls with a head-dim contraction; the triangular
     inverse is always float32 at HIGHEST. The output is computed in float32 and returned as `out_dtype`.
     """
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    tile = delta_rule_tile(chunk_size)  # long sequences: tile by tile, one tile's chunks in memory at a time
+    choices = overridden(choices, gdn_chunk_scan=chunk_scan, gdn_precision=precision)
+    tile = delta_rule_tile(chunk_size, choices)  # long sequences: tile by tile, one tile's chunks in memory at a time
     if tile is not None and q.ndim == 4 and q.shape[1] > tile:
-        rule = functools.partial(chunked_gated_delta_rule, precision=precision, chunk_scan=chunk_scan,
-                                 out_dtype=out_dtype)
+        rule = functools.partial(chunked_gated_delta_rule, out_dtype=out_dtype, choices=choices)
         return tiled_delta_rule(rule, q, k, v, g, beta,
                                 segment_ids=segment_ids, initial_state=initial_state, chunk_size=chunk_size,
                                 tile=tile)
-    prec = resolve_gdn_precision(precision)
+    prec = resolve_gdn_precision(choices)
     q, k, v, g, beta, valid, doc, state = check_and_prepare(q, k, v, g, beta, segment_ids, initial_state,
                                                              repeat_keys=False, cast_qkv=False)
     B, S, Hk, Dk = q.shape
     Hv, Dv = v.shape[2:]
     G = Hv // Hk
     L = chunk_size
-    scan = chunk_scan_for(chunk_scan, Dk, Dv, L)
-    pallas_rule = scan == "pallas" and (current_choices().platform != "gpu" or local_kernel_fits(Dk, Dv, L))
+    scan = chunk_scan_for(choices, Dk, Dv, L)
+    pallas_rule = scan == "pallas" and (choices.platform != "gpu" or local_kernel_fits(Dk, Dv, L))
     # The end-to-end Pallas rule reads v in its own dtype (the compute dtype's bytes, the same float32
     # values in registers) and returns its gradient in it, where a float32 cast would be two more passes;
     # q and k it takes in the dtype it stores them (below).
@@ -106,7 +109,8 @@ def chunked_gated_delta_rule(
         qk = operand_dtype(prec)
         out, state = pallas_chunked_rule(padded(q.astype(qk)), padded(k.astype(qk)), padded(v),
                                          *(value_heads(x) for x in (cum, beta, read, write)), key,
-                                         value_heads(chunk_decay), state, prec, out_dtype=out_dtype)
+                                         value_heads(chunk_decay), state, prec, out_dtype=out_dtype,
+                                         choices=choices)
         return out[:, :S], state  # [B, S, Hv, Dv]
     # Heads first, value heads grouped under their key head: [B, n, Hk, G, L, ...] (G = 1 for q, k).
     q, k = (jnp.moveaxis(chunks(x), 2, 3)[:, :, :, None] for x in (q, k))  # [B, n, Hk, 1, L, Dk]
@@ -114,8 +118,11 @@ def chunked_gated_delta_rule(
     u, w, intra = xla_chunk_local(q, k, v, cum, beta, read, key, prec)
     q_read = q * read[..., None]  # [B, n, Hk, G, L, Dk]
     k_write = k * write[..., None]
-    out, state = CHUNK_STATES[scan](*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)),
-                                    state, prec)  # out [B, n, Hv, L, Dv]
+    chunk_states = CHUNK_STATES[scan]
+    if scan == "pallas":  # the state kernel's blocks and interpretation are the choices'
+        chunk_states = functools.partial(chunk_states, choices=choices)
+    out, state = chunk_states(*(value_heads(x) for x in (u, w, q_read, k_write, intra, chunk_decay)),
+                              state, prec)  # out [B, n, Hv, L, Dv]
     out = jnp.transpose(out, (0, 1, 3, 2, 4)).reshape(B, n * L, Hv, Dv)[:, :S]
     return out.astype(out_dtype), state
 

@@ -53,7 +53,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from qwen35_kernels.choices import current_choices
+from qwen35_kernels.choices import KernelChoices, resolved
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision
 from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
     COLS_BY_COLS,
@@ -338,11 +338,12 @@ def pallas_chunk_local(
     doc: jax.Array,  # [B, n, L] int32: document index, -1 on padding
     prec: GdnPrecision,
     *,
+    choices: KernelChoices | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, ...]:  # u [B, n, Hv, L, Dv], w [.., L, Dk], intra [.., L, L], q_read, k_write [.., L, Dk]
     """u, w and intra of every chunk and value head (module docstring), and the queries and keys as the
     chunk-state kernels take them, q_read = r q and k_write = write k. `interpret`: None runs the
-    Triton kernels on a GPU and interprets them elsewhere; False builds them for Triton anywhere."""
+    Triton kernels on the choices' GPU and interprets them elsewhere; False builds them for Triton anywhere."""
     if interpret is None:
-        interpret = current_choices().platform != "gpu"
+        interpret = resolved(choices).interpret
     return _chunk_local(q, k, v, cum, beta, read, write, doc, prec, interpret)

@@ -24,11 +24,13 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
+from qwen35_kernels.choices import DEFAULT_GDN_KERNEL_BLOCKS
 from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
     COLS_BY_COLS,
     GRADIENT_KERNEL_WARPS,
     ROWS_BY_COLS,
     ROWS_BY_ROWS,
+    Blocks,
     read_halved,
     state_columns,
     tile_dot,
@@ -63,13 +65,14 @@ def chunk_outputs(
     interpret: bool,
     out_dtype: jnp.dtype = jnp.float32,
     token_major: bool = False,
+    blocks: Blocks = DEFAULT_GDN_KERNEL_BLOCKS,
 ) -> jax.Array:  # out [B, n, H, L, Dv] (token_major: [B, n L, H, Dv]) in out_dtype
     """out_c = q_c S_c + intra_c (u_c - w_c S_c) for every chunk c (no VJP: `chunk_outputs_backward`),
     summed in float32 and written as `out_dtype`."""
     B, n, H, L, Dk = w.shape
     w, q, intra = read_halved(prec, w, q, intra)
     Dv = u.shape[-1]
-    bv = state_columns(Dv)
+    bv = state_columns(Dv, blocks)
     dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
 
     def kernel(u_ref, w_ref, q_ref, intra_ref, s_ref, out_ref):
@@ -99,12 +102,13 @@ def chunk_outputs_backward(
     prec,
     interpret: bool,
     token_major: bool = False,
+    blocks: Blocks = DEFAULT_GDN_KERNEL_BLOCKS,
 ) -> tuple[jax.Array, ...]:  # du, dw, dq, dintra, d_states (shapes of the inputs), float32
     """The gradients of `chunk_outputs`' inputs (v recomputed: one tile product per column block)."""
     B, n, H, L, Dk = w.shape
     Dv = u.shape[-1]
     w, q, intra = read_halved(prec, w, q, intra)
-    bv = state_columns(Dv)
+    bv = state_columns(Dv, blocks)
     dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
 
     def kernel(u_ref, w_ref, q_ref, intra_ref, s_ref, o_ref, du_ref, dw_ref, dq_ref, dintra_ref, ds_ref):

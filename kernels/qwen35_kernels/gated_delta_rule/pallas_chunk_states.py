@@ -36,7 +36,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from qwen35_kernels.choices import current_choices
+from qwen35_kernels.choices import DEFAULT_GDN_KERNEL_BLOCKS
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, bf16_operands, operand_dtype, round_to_bf16
 
 CHUNK_STATES_NAME = "gdn_chunk_states"  # checkpoint name of the states (see chunk_states.apply_gdn_remat)
@@ -49,15 +49,18 @@ COLS_BY_COLS = (((1,), (1,)), ((), ()))  # [a, c] x [b, c]^T
 ROWS_BY_ROWS = (((0,), (0,)), ((), ()))  # [b, a]^T x [b, c]
 
 
-def state_columns(dv: int) -> int:
-    """State columns per program (the kernel choices' `gdn_kernel_blocks`), at most the head's Dv."""
-    return min(current_choices().gdn_kernel_blocks[0], dv)
+Blocks = tuple[int, int]  # (state columns, Triton warps) per program: the kernel choices' `gdn_kernel_blocks`
 
 
-def kernel_fits(dk: int, dv: int, chunk: int) -> bool:
+def state_columns(dv: int, blocks: Blocks = DEFAULT_GDN_KERNEL_BLOCKS) -> int:
+    """State columns per program (`blocks`, the kernel choices' `gdn_kernel_blocks`), at most the head's Dv."""
+    return min(blocks[0], dv)
+
+
+def kernel_fits(dk: int, dv: int, chunk: int, blocks: Blocks = DEFAULT_GDN_KERNEL_BLOCKS) -> bool:
     """Whether Triton can compile the kernel for these sizes: its tiles ([L, Dk], [Dk, min(Dv, 64)])
     need powers of two of at least 16 (every Qwen3.5 model: 128, 128 and chunks of 64)."""
-    bv = state_columns(dv)
+    bv = state_columns(dv, blocks)
     return all(x >= 16 and x & (x - 1) == 0 for x in (dk, bv, chunk)) and dv % bv == 0
 
 
@@ -100,7 +103,7 @@ def read_halved(prec: GdnPrecision, *arrays: jax.Array) -> tuple[jax.Array, ...]
 
 
 def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Array, first: jax.Array,
-                add: jax.Array | None, *, reverse: bool, prec, interpret: bool) -> jax.Array:
+                add: jax.Array | None, *, reverse: bool, prec, interpret: bool, blocks: Blocks) -> jax.Array:
     """Forward, x_c+1 = d_c x_c + p_c^T (b_c - q_c x_c) from x_0 = first; reverse,
     x_c = d_c x_c+1 + p_c^T (b_c - q_c x_c+1) + add_c from x_n = first.
 
@@ -113,7 +116,7 @@ def _recurrence(p: jax.Array, q: jax.Array, b: jax.Array | None, decay: jax.Arra
     B, n, H, L, Dk = p.shape
     Dv = first.shape[-1]
     p, q = read_halved(prec, p, q)
-    block_v, num_warps = current_choices().gdn_kernel_blocks
+    block_v, num_warps = blocks
     bv = min(block_v, Dv)
     if Dv % bv:
         raise ValueError(f"pallas chunk scan: value head dim {Dv} is not a multiple of {bv}")
@@ -162,11 +165,12 @@ def entering_states(
     state: jax.Array,  # [B, H, Dk, Dv] float32
     prec: GdnPrecision,
     interpret: bool,
+    blocks: Blocks = DEFAULT_GDN_KERNEL_BLOCKS,
 ) -> tuple[jax.Array, jax.Array]:  # states [B, n + 1, H, Dk, Dv], final state [B, H, Dk, Dv] float32
     """The forward kernel alone: every chunk's entering state, the final one last (float32; bfloat16 under
     bf16 precision), and the final state in float32. Its VJP, with the output kernel's, is
     `chunk_states.pallas_chunk_states`; `entering_states_backward` is its half."""
-    return _recurrence(k, w, u, decay, state, None, reverse=False, prec=prec, interpret=interpret)
+    return _recurrence(k, w, u, decay, state, None, reverse=False, prec=prec, interpret=interpret, blocks=blocks)
 
 
 def entering_states_backward(
@@ -178,20 +182,22 @@ def entering_states_backward(
     d_states: jax.Array,  # [B, n + 1, H, Dk, Dv]: their cotangent
     prec,
     interpret: bool,
+    blocks: Blocks = DEFAULT_GDN_KERNEL_BLOCKS,
     du_add: jax.Array | None = None,  # [B, n, H, L, Dv]: another use's gradient of u, added in the kernel
     dw_add: jax.Array | None = None,  # [B, n, H, L, Dk]: likewise for w
 ) -> tuple[jax.Array, ...]:  # du, dw, dk, d_decay, d_state [B, H, Dk, Dv]
     """The gradients of `entering_states`' inputs: the reverse recurrence, then the chunk-gradient kernel."""
     # G_c for c = 0..n: the reverse map with (k, w) swapped, no b, dS_c added, from G_n = dS_n
     grads, d_state = _recurrence(w, k, None, decay, d_states[:, -1], d_states, reverse=True, prec=prec,
-                                 interpret=interpret)
-    du, dw, dk, d_decay = _chunk_gradients(u, w, k, states, grads, du_add, dw_add, prec=prec, interpret=interpret)
+                                 interpret=interpret, blocks=blocks)
+    du, dw, dk, d_decay = _chunk_gradients(u, w, k, states, grads, du_add, dw_add, prec=prec, interpret=interpret,
+                                           blocks=blocks)
     return du, dw, dk, d_decay, d_state
 
 
 def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array, grads: jax.Array,
                      du_add: jax.Array | None, dw_add: jax.Array | None, *, prec,
-                     interpret: bool) -> tuple[jax.Array, ...]:
+                     interpret: bool, blocks: Blocks) -> tuple[jax.Array, ...]:
     """Per chunk c, from S_c = states[:, c] and G_c+1 = grads[:, c + 1]: v = u - w S, dv = k G,
     dw = -dv S^T, dk = v G^T, dd = <S, G>. One program per (sequence, chunk, head), every chunk at
     once; each reads its two states once and keeps v, dv's partial products and the sums in registers
@@ -206,7 +212,7 @@ def _chunk_gradients(u: jax.Array, w: jax.Array, k: jax.Array, states: jax.Array
     B, n, H, L, Dk = w.shape
     Dv = u.shape[-1]
     w, k = read_halved(prec, w, k)
-    bv = state_columns(Dv)
+    bv = state_columns(Dv, blocks)
     dot = functools.partial(tile_dot, prec=prec, interpret=interpret)
 
     def kernel(u_ref, w_ref, k_ref, s_ref, g_ref, *refs):

@@ -24,31 +24,33 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.choices import current_choices
+from qwen35_kernels.choices import KernelChoices, resolved
 from qwen35_kernels.gated_delta_rule.chunk_states import scan_backward, scan_forward
 from qwen35_kernels.gated_delta_rule.matmul import GdnPrecision, operand_dtype
 from qwen35_kernels.gated_delta_rule.pallas_chunk_local import chunk_local_backward, chunk_local_forward
+from qwen35_kernels.gated_delta_rule.pallas_chunk_states import Blocks
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12))
-def _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret):
-    return _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(10, 11, 12, 13))
+def _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret, blocks):
+    return _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret, blocks)[0]
 
 
-def _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret):
+def _rule_fwd(q, k, v, cum, beta, read, write, doc, decay, state, prec, out_dtype, interpret, blocks):
     u, w, intra, q_read, k_write, t = chunk_local_forward(q, k, v, cum, beta, read, write, doc, prec, interpret,
                                                           operand_dtype(prec), token_major=True)
     out, states, final = scan_forward(u, w, q_read, k_write, intra, decay, state, prec, interpret, out_dtype,
-                                      token_major=True)
+                                      token_major=True, blocks=blocks)
     residuals = (q, k, v, cum, beta, read, write, doc, t, u, w, q_read, k_write, intra, decay, states)
     return (out, final), residuals
 
 
-def _rule_bwd(prec, out_dtype, interpret, residuals, cotangents):
+def _rule_bwd(prec, out_dtype, interpret, blocks, residuals, cotangents):
     q, k, v, cum, beta, read, write, doc, t, u, w, q_read, k_write, intra, decay, states = residuals
     d_out, d_final = cotangents
     du, dw, dq_read, dk_write, dintra, d_decay, d_state = scan_backward(
-        u, w, q_read, k_write, intra, decay, states, d_out, d_final, prec, interpret, token_major=True)
+        u, w, q_read, k_write, intra, decay, states, d_out, d_final, prec, interpret, token_major=True,
+        blocks=blocks)
     grads = chunk_local_backward(q, k, v, cum, beta, read, write, doc, t, du, dw, dintra, dq_read, dk_write,
                                  prec, interpret, token_major=True)
     return (*grads[:7], None, d_decay, d_state)
@@ -71,13 +73,17 @@ def pallas_chunked_rule(
     prec: GdnPrecision,
     *,
     out_dtype: jnp.dtype = jnp.float32,
+    choices: KernelChoices | None = None,
     interpret: bool | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # out [B, n L, Hv, Dv] in out_dtype, final state [B, Hv, Dk, Dv] float32
     """The chunked delta rule from its per-chunk inputs (`delta_rule.chunked_gated_delta_rule` makes
     them): `pallas_chunk_local.pallas_chunk_local` then `chunk_states.pallas_chunk_states`, as one VJP,
     the output written token-major (the layer's own layout) and rounded to `out_dtype` by the output
-    kernel (its cotangent read in that dtype). `interpret`: None runs the Triton kernels on a GPU and
+    kernel (its cotangent read in that dtype). The state kernel's blocks are the `choices`' (None: the
+    defaults for jax's backend); `interpret`: None runs the Triton kernels on the choices' GPU and
     interprets them elsewhere; False builds them for Triton anywhere."""
+    choices = resolved(choices)
     if interpret is None:
-        interpret = current_choices().platform != "gpu"
-    return _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, jnp.dtype(out_dtype), interpret)
+        interpret = choices.interpret
+    return _rule(q, k, v, cum, beta, read, write, doc, decay, state, prec, jnp.dtype(out_dtype), bool(interpret),
+                 choices.gdn_kernel_blocks)

@@ -7,7 +7,7 @@
   model's whole-mixer tiling runs on.
 
 The tile is the kernel choices' `sequence_tile` (None: untiled); sequences no longer than one tile
-run untiled. The model's token-local tiling reads the same choice.
+run untiled. The model's token-local tiling takes the same choice.
 """
 
 from __future__ import annotations
@@ -18,12 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.choices import current_choices
-
-
-def current_sequence_tile() -> int | None:
-    """The kernel choices' sequence tile (None: untiled)."""
-    return current_choices().sequence_tile
+from qwen35_kernels.choices import KernelChoices, resolved
 
 
 def zeros_after(like: jax.Array, shape: tuple[int, ...], dtype: Any) -> jax.Array:
@@ -54,15 +49,9 @@ def tile_scan(one: TileStep, state0: jax.Array, tiles: tuple[jax.Array, ...], we
     input cotangents from zero-filled buffers that the compiler is free to allocate as early as it
     likes; XLA:CPU allocated those of every layer of a recomputed block when the block's backward
     started (12 GiB at the 9B's 1M tokens on sp = 8). Here they are computed from the cotangent.
-    The backward retraces `one` when the gradient is taken, so `one` runs under the kernel choices
-    of the forward trace both times."""
-    choices = current_choices()
-
-    def one_as_traced(*args: Any) -> tuple[jax.Array, jax.Array]:
-        with choices.traced():
-            return one(*args)
-
-    return _tile_scan(one_as_traced, state0, tiles, weights, ids, reset)
+    The backward retraces `one` when the gradient is taken: whatever kernel choices it needs, its
+    closure carries."""
+    return _tile_scan(one, state0, tiles, weights, ids, reset)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -114,9 +103,10 @@ def _tile_scan_backward(one: TileStep, saved: tuple[Any, ...], cts: tuple[jax.Ar
 _tile_scan.defvjp(_tile_scan_forward, _tile_scan_backward)
 
 
-def delta_rule_tile(chunk_size: int) -> int | None:
-    """The delta rule's tile: the kernel choices' `sequence_tile` rounded down to whole chunks (None: untiled)."""
-    tile = current_sequence_tile()
+def delta_rule_tile(chunk_size: int, choices: KernelChoices | None = None) -> int | None:  # TEMPORARY default
+    """The delta rule's tile: the `choices`' `sequence_tile` (None: the defaults') rounded down to whole
+    chunks (None: untiled)."""
+    tile = resolved(choices).sequence_tile
     if tile is None:
         return None
     return max(chunk_size, tile // chunk_size * chunk_size)

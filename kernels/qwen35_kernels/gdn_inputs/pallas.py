@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
-from qwen35_kernels.choices import current_choices
+from qwen35_kernels.choices import KernelChoices, resolved
 
 L2_EPS = 1e-6  # transformers' / FLA's l2norm eps; gdn_inputs.l2_normalize's default too
 MAX_BLOCK = 64
@@ -210,16 +210,17 @@ def pallas_conv_silu(
     *,
     l2_scale: float | None = None,
     l2_dtype: jnp.dtype = jnp.float32,
+    choices: KernelChoices | None = None,
     interpret: bool | None = None,
 ) -> jax.Array:  # [B, S, H, D]: x's dtype, or l2_dtype with l2_scale
     """`gdn_inputs`' conv1d + SiLU and, with `l2_scale`, the L2 norm times l2_scale (written as
-    `l2_dtype`), by the kernels above (module docstring). `interpret`: None runs Triton on a GPU and
-    interprets elsewhere."""
+    `l2_dtype`), by the kernels above (module docstring). `interpret`: None runs Triton on the
+    `choices`' GPU (None: the defaults for jax's backend) and interprets elsewhere."""
     B, S, H, D = x.shape
     if not fits(S, D):
         raise ValueError(f"pallas_conv_silu: S = {S} must be a multiple of 16 and D = {D} a power of two >= 16")
     if interpret is None:
-        interpret = current_choices().platform != "gpu"
+        interpret = resolved(choices).interpret
     out_dtype = jnp.dtype(x.dtype if l2_scale is None else l2_dtype)
     return _conv_silu(x, kernel, valid.astype(jnp.int32), doc.astype(jnp.int32),
                       None if l2_scale is None else float(l2_scale), out_dtype, bool(interpret))

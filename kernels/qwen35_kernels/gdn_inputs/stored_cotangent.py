@@ -11,33 +11,34 @@ default XLA:CPU removes barriers before fusing, and a user's own `jax.jit` has t
 `materialized` routes the gradient through a reduction instead, which XLA:CPU does not fuse into its
 readers: the sum over a new leading axis of [g, 0], which is g exactly, for one extra pass over the
 gradient. It made the hidden-1024 train step of `scripts/bench/bench_train.py` 6.7% faster (4 x 512
-tokens at hidden 256: 2.9%). Other backends get the plain identity.
+tokens at hidden 256: 2.9%). Other backends get the plain identity (`materialize` False: the caller
+says which, from its kernel choices' platform).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.choices import current_choices
 
 
 def materialized(g: jax.Array) -> jax.Array:  # any shape -> the same values, out of a fusion of their own
-    if current_choices().platform != "cpu":
-        return g
     return jnp.sum(jnp.stack([g, jnp.zeros_like(g)]), axis=0)  # [2, ...] -> [...]
 
 
-@jax.custom_vjp
-def stored_cotangent(x: jax.Array) -> jax.Array:  # any shape -> x
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def stored_cotangent(x: jax.Array, materialize: bool) -> jax.Array:  # any shape -> x
+    """x; its cotangent `materialized` when `materialize` (on CPU), else passed on as it is."""
     return x
 
 
-def _fwd(x: jax.Array) -> tuple[jax.Array, None]:
+def _fwd(x: jax.Array, materialize: bool) -> tuple[jax.Array, None]:
     return x, None
 
 
-def _bwd(_: None, g: jax.Array) -> tuple[jax.Array]:
-    return (materialized(g),)
+def _bwd(materialize: bool, _: None, g: jax.Array) -> tuple[jax.Array]:
+    return (materialized(g) if materialize else g,)
 
 
 stored_cotangent.defvjp(_fwd, _bwd)

@@ -4,8 +4,11 @@ the conv and the norm into one GPU kernel)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.choices import KernelChoices, resolved
 from qwen35_kernels.gdn_inputs.pallas import L2_EPS
 from qwen35_kernels.gdn_inputs.stored_cotangent import stored_cotangent
 
@@ -16,19 +19,22 @@ def causal_conv1d_silu(
     doc: jax.Array | None,  # [B, S] document index (see gated_delta_rule.reference.document_index) or None
     *,
     checkpoint: bool = True,
+    choices: KernelChoices | None = None,
 ) -> jax.Array:  # [B, S, H, D]
     """Depthwise causal conv1d + SiLU whose window never reaches into the previous document.
 
     Accumulates in float32; one shifted slice of x per tap (Kc is 4 in every Qwen3.5 model).
     `checkpoint`: recomputed in the backward (its shifted copies and masks would keep some 200 KB a
     token and layer); a caller that recomputes the whole mixer around it already passes False, since
-    its own checkpoint would then run it a third time.
+    its own checkpoint would then run it a third time. `choices` (None: the defaults for jax's
+    backend): their platform decides how the backward stores a gradient (`stored_cotangent`).
     """
-    conv = jax.checkpoint(_conv1d_silu) if checkpoint else _conv1d_silu
-    return conv(x, kernel, doc)
+    conv = functools.partial(_conv1d_silu, materialize=resolved(choices).platform == "cpu")
+    return (jax.checkpoint(conv) if checkpoint else conv)(x, kernel, doc)
 
 
-def _conv1d_silu(x: jax.Array, kernel: jax.Array, doc: jax.Array | None) -> jax.Array:  # as causal_conv1d_silu
+def _conv1d_silu(x: jax.Array, kernel: jax.Array, doc: jax.Array | None, *, materialize: bool
+                 ) -> jax.Array:  # as causal_conv1d_silu
     Kc = kernel.shape[0]
     S = x.shape[1]
     xf = x.astype(jnp.float32)
@@ -42,13 +48,15 @@ def _conv1d_silu(x: jax.Array, kernel: jax.Array, doc: jax.Array | None) -> jax.
             past = jnp.where(same[..., None, None], past, 0.0)
         out = out + past * kf[Kc - 1 - shift]
     # The backward reads the pre-activation gradient once per tap: stored once (see stored_cotangent).
-    return jax.nn.silu(stored_cotangent(out.astype(x.dtype)))
+    return jax.nn.silu(stored_cotangent(out.astype(x.dtype), materialize))
 
 
 def causal_conv1d_update(
     x: jax.Array,  # [B, T, H, D] the next T raw inputs of one document per row
     conv_state: jax.Array,  # [B, Kc - 1, H, D] the Kc - 1 raw inputs before them (zeros before a document)
     kernel: jax.Array,  # [Kc, H, D]
+    *,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # y [B, T, H, D] in x.dtype, the new conv state [B, Kc - 1, H, D]
     """`causal_conv1d_silu` of T tokens that continue a sequence (transformers' `causal_conv1d_update`
     with SiLU): the window reads `conv_state` before the first token. The new state is the last Kc - 1
@@ -59,7 +67,8 @@ def causal_conv1d_update(
         raise ValueError(f"conv_state must be [B, Kc - 1, H, D] = {(x.shape[0], kc - 1, *x.shape[2:])}, "
                          f"got {conv_state.shape}")
     window = jnp.concatenate([conv_state.astype(x.dtype), x], axis=1)  # [B, Kc - 1 + T, H, D]
-    y = _conv1d_silu(window, kernel, None)[:, kc - 1:]  # the zeros it pads before the window are never read
+    materialize = resolved(choices).platform == "cpu"
+    y = _conv1d_silu(window, kernel, None, materialize=materialize)[:, kc - 1:]  # the zeros it pads before the window are never read
     return y, window[:, window.shape[1] - (kc - 1):]
 
 

@@ -1,4 +1,5 @@
-"""Public entry point: argument checks, backend dispatch, log-prob/entropy from the core statistics."""
+"""Public entry point: argument checks, backend dispatch (`backend=`, else the kernel choices'
+`logprob_backend`), log-prob/entropy from the core statistics."""
 
 from __future__ import annotations
 
@@ -6,25 +7,45 @@ import math
 
 import jax
 import jax.numpy as jnp
-from qwen35_kernels.choices import current_choices
+from qwen35_kernels.choices import LOGPROB_BACKENDS, KernelChoices, overridden
 
 from . import reference, xla
 
-BACKENDS = ("auto", "pallas", "xla", "pallas_xla", "reference")
+BACKENDS = LOGPROB_BACKENDS
 
 
-def resolve_backend(backend: str) -> str:
-    """"auto" -> "pallas" on TPU, "xla" elsewhere; other names are checked and returned.
+def _pallas(hidden, weight, labels, temperature, *, choices):
+    from . import pallas  # imported lazily: the Pallas modules are only needed here
 
-    GPU runs "xla" by default: on an H200 (T = 8192, D = 4096, V = 248,320, bf16) its forward+backward
-    took 0.27 s against the Triton kernel's 1.25 s, whose float32 atomic adds into dh and dW cost more
-    than the logit tiles XLA writes to memory (docs/kernels.md).
-    """
-    if backend not in BACKENDS:
+    return pallas.token_stats(hidden, weight, labels, temperature, choices=choices)
+
+
+def _pallas_xla(hidden, weight, labels, temperature, *, choices):
+    from . import pallas_xla
+
+    return pallas_xla.token_stats(hidden, weight, labels, temperature, choices=choices)
+
+
+def _reference(hidden, weight, labels, temperature, *, choices):
+    del choices
+    return reference.token_stats(hidden, weight, labels, temperature)
+
+
+def _xla(hidden, weight, labels, temperature, *, choices):
+    return xla.token_stats(hidden, weight, labels, temperature, choices=choices)
+
+
+# token_stats(hidden, weight, labels, temperature, *, choices) of each resolved backend
+IMPLEMENTATIONS = {"reference": _reference, "xla": _xla, "pallas": _pallas, "pallas_xla": _pallas_xla}
+
+
+def resolve_backend(backend: str | None = None, choices: KernelChoices | None = None) -> str:
+    """The backend that runs for `backend` (None: the `choices`' `logprob_backend`; None choices: the
+    defaults for jax's backend), "auto" resolved by `KernelChoices.resolve` ("pallas" on TPU, "xla"
+    elsewhere); other names are checked and returned."""
+    if backend is not None and backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "pallas" if current_choices().platform == "tpu" else "xla"
-    return backend
+    return overridden(choices, logprob_backend=backend).logprob_backend
 
 
 def check_inputs(hidden, weight, labels, temperature) -> float:
@@ -58,20 +79,17 @@ def token_stats(
     labels: jax.Array,  # [T] int
     *,
     temperature: float = 1.0,
-    backend: str = "auto",
+    backend: str | None = None,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (lse, entropy, label_logit), 3 x [T] float32
-    """The differentiable core (see reference.py): per-token logsumexp, entropy and label logit."""
+    """The differentiable core (see reference.py): per-token logsumexp, entropy and label logit, by
+    `backend` (None: the `choices`' `logprob_backend`; None choices: the defaults for jax's backend,
+    whose platform also sets the blocks)."""
     t = check_inputs(hidden, weight, labels, temperature)
-    name = resolve_backend(backend)
-    if name == "reference":
-        return reference.token_stats(hidden, weight, labels, t)
-    if name == "xla":
-        return xla.token_stats(hidden, weight, labels, t)
-    from . import pallas, pallas_xla  # imported lazily: the Pallas modules are only needed here
-
-    if name == "pallas_xla":
-        return pallas_xla.token_stats(hidden, weight, labels, t)
-    return pallas.token_stats(hidden, weight, labels, t)
+    if backend is not None and backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    choices = overridden(choices, logprob_backend=backend)
+    return IMPLEMENTATIONS[choices.logprob_backend](hidden, weight, labels, t, choices=choices)
 
 
 def log_probs_from_stats(
@@ -87,16 +105,18 @@ def linear_logprob_entropy(
     labels: jax.Array,  # [T] int, < 0 = ignored
     *,
     temperature: float = 1.0,
-    backend: str = "auto",
+    backend: str | None = None,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # (log_probs [T] float32, entropy [T] float32)
     """Per-token log p(label) and entropy of softmax(hidden @ weight / temperature), never forming [T, V].
 
     Labels < 0 are ignored: log-prob 0 and no gradient; their entropy is still computed. Labels must be
     < V. Differentiable in hidden and weight (custom VJP recomputing logits tile by tile). backend:
     "auto" (pallas on TPU, xla elsewhere), "pallas", "xla", "pallas_xla" (the Pallas forward with the
-    XLA backward) or "reference" (full logits, for tests).
+    XLA backward) or "reference" (full logits, for tests); None: the `choices`' `logprob_backend`
+    ("auto" by default; None choices: the defaults for jax's backend, whose platform also sets the blocks).
     """
     lse, entropy, label_logit = token_stats(
-        hidden, weight, labels, temperature=temperature, backend=backend
+        hidden, weight, labels, temperature=temperature, backend=backend, choices=choices
     )
     return log_probs_from_stats(lse, label_logit, labels), entropy

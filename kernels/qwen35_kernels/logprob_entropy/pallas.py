@@ -29,7 +29,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as plgpu
-from qwen35_kernels.choices import current_choices
+from qwen35_kernels.choices import KernelChoices, resolved
 
 from . import tiles
 
@@ -366,9 +366,11 @@ def make_blocks(
     num_warps: int = 4,
     num_stages: int = 2,
     v_splits: int = 0,
+    choices: KernelChoices | None = None,
 ) -> Blocks:
-    """Blocks for this platform: layout "tpu" on TPU, else "gpu"; interpret on anything but GPU/TPU."""
-    platform = current_choices().platform
+    """Blocks for the `choices`' platform (None: jax's backend): layout "tpu" on TPU, else "gpu";
+    interpret on anything but GPU/TPU."""
+    platform = resolved(choices).platform
     layout = layout or ("tpu" if platform == "tpu" else "gpu")
     if layout not in DEFAULTS:
         raise ValueError(f"layout must be 'gpu' or 'tpu', got {layout!r}")
@@ -400,12 +402,14 @@ def token_stats(
     temperature: float = 1.0,
     *,
     blocks: Blocks | None = None,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (lse, entropy, label_logit), 3 x [T] float32
-    """See reference.token_stats for the contract; `blocks` from make_blocks (default: this platform).
+    """See reference.token_stats for the contract; `blocks` from make_blocks (default: the `choices`'
+    platform's; None choices: jax's backend).
 
     Mixed dtypes multiply in their promoted dtype, as `jnp.dot` (and the xla backend) does: the kernels'
     tile matmuls take one element type. Gradients come back in each input's own dtype.
     """
     common = jnp.promote_types(hidden.dtype, weight.dtype)
     return _stats(hidden.astype(common), weight.astype(common), labels, float(temperature),
-                  blocks or make_blocks())
+                  blocks or make_blocks(choices=choices))

@@ -14,12 +14,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from qwen35_kernels.choices import KernelChoices, resolved
 
 from . import pallas, xla
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _stats(hidden, weight, labels, temperature, blk):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _stats(hidden, weight, labels, temperature, blk, platform):
     return _forward(hidden, weight, labels, temperature, blk)
 
 
@@ -29,13 +30,13 @@ def _forward(hidden, weight, labels, temperature, blk):
     return pallas.forward_stats(hidden.astype(common), weight.astype(common), labels, temperature, blk)
 
 
-def _stats_fwd(hidden, weight, labels, temperature, blk):
+def _stats_fwd(hidden, weight, labels, temperature, blk, platform):
     lse, ent, zl = _forward(hidden, weight, labels, temperature, blk)
     return (lse, ent, zl), (hidden, weight, labels, lse, ent)
 
 
-def _stats_bwd(temperature, blk, res, cts):
-    return xla.stats_backward(*res, cts, temperature, *xla.default_blocks())
+def _stats_bwd(temperature, blk, platform, res, cts):
+    return xla.stats_backward(*res, cts, temperature, *xla.default_blocks(platform), platform == "cpu")
 
 
 _stats.defvjp(_stats_fwd, _stats_bwd)
@@ -48,7 +49,10 @@ def token_stats(
     temperature: float = 1.0,
     *,
     blocks: pallas.Blocks | None = None,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (lse, entropy, label_logit), 3 x [T] float32
-    """See reference.token_stats for the contract; `blocks`: the forward kernel's (default: this platform's).
+    """See reference.token_stats for the contract; `blocks`: the forward kernel's (default: the `choices`'
+    platform's; None choices: jax's backend), the XLA backward's blocks that platform's too.
     Gradients come back in each input's own dtype, as the xla backend gives them."""
-    return _stats(hidden, weight, labels, float(temperature), blocks or pallas.make_blocks())
+    platform = resolved(choices).platform
+    return _stats(hidden, weight, labels, float(temperature), blocks or pallas.make_blocks(choices=choices), platform)

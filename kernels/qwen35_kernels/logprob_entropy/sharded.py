@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from qwen35_kernels.choices import KernelChoices
+
 from . import tiles
 from .api import check_inputs, linear_logprob_entropy, log_probs_from_stats, token_stats
 
@@ -38,16 +40,18 @@ def sharded_linear_logprob_entropy(
     mode: str = "vocab_parallel",
     axis_names: tuple[str, ...] = ("fsdp", "sp"),
     temperature: float = 1.0,
-    backend: str = "auto",
+    backend: str | None = None,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # (log_probs [T_loc] float32, entropy [T_loc] float32)
-    """Call inside jax.shard_map over a mesh with `axis_names` manual; see the module docstring."""
+    """Call inside jax.shard_map over a mesh with `axis_names` manual; see the module docstring.
+    `backend` and `choices` as `linear_logprob_entropy`'s."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     axis_names = tuple(axis_names)
     t = check_inputs(hidden, weight, labels, temperature)
     if mode == "gather":
         full = lax.all_gather(weight, axis_names, axis=1, tiled=True)  # [D, V]
-        return linear_logprob_entropy(hidden, full, labels, temperature=t, backend=backend)
+        return linear_logprob_entropy(hidden, full, labels, temperature=t, backend=backend, choices=choices)
 
     n_tok, v_loc = hidden.shape[0], weight.shape[1]
     shard = lax.axis_index(axis_names)
@@ -57,7 +61,7 @@ def sharded_linear_logprob_entropy(
     mine = (labels_all >= offset) & (labels_all < offset + v_loc)
     local_labels = jnp.where(mine, labels_all - offset, -1)
     lse_k, ent_k, zl_k = token_stats(
-        hidden_all, weight, local_labels, temperature=t, backend=backend
+        hidden_all, weight, local_labels, temperature=t, backend=backend, choices=choices
     )  # 3 x [n * T_loc]: statistics over this vocabulary shard
     lse, entropy, label_logit = tiles.combine_stats(
         lse_k, ent_k, zl_k,

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax import lax
-from qwen35_kernels.choices import current_choices
+from qwen35_kernels.choices import KernelChoices, resolved
 
 from . import tiles
 
@@ -42,9 +42,9 @@ DEFAULT_BLOCKS = {"cpu": (1024, 2048), "gpu": (8192, 4096), "tpu": (8192, 4096)}
 ONE_PASS_BACKENDS = ("gpu", "tpu")
 
 
-def default_blocks() -> tuple[int, int]:
-    """(block_t, block_v) for this backend."""
-    return DEFAULT_BLOCKS.get(current_choices().platform, DEFAULT_BLOCKS["gpu"])
+def default_blocks(platform: str) -> tuple[int, int]:
+    """(block_t, block_v) for `platform`."""
+    return DEFAULT_BLOCKS.get(platform, DEFAULT_BLOCKS["gpu"])
 
 
 def _round_up(x: int, m: int) -> int:
@@ -57,9 +57,9 @@ def _blocks(num_tokens: int, vocab: int, block_t: int, block_v: int) -> tuple[in
     return bt, _round_up(num_tokens, bt), min(block_v, vocab)
 
 
-def _bits(x: jax.Array) -> jax.Array:
-    """Non-float32 on CPU: the same bytes as unsigned integers of the same width; else x itself."""
-    if x.dtype == jnp.float32 or current_choices().platform != "cpu":
+def _bits(x: jax.Array, as_bits: bool) -> jax.Array:
+    """Non-float32 with `as_bits` (on CPU): the same bytes as unsigned integers of the same width; else x itself."""
+    if x.dtype == jnp.float32 or not as_bits:
         return x
     return lax.bitcast_convert_type(x, jnp.dtype(f"uint{8 * x.dtype.itemsize}"))
 
@@ -82,14 +82,14 @@ def _tile_logits(h_t, w_v, cols, first, vocab, temperature):  # [bt, D], [D, bv]
     return tiles.mask_columns(z, cols, vocab, first)
 
 
-def _forward(hidden, weight, labels, temperature, block_t, block_v, one_pass):
+def _forward(hidden, weight, labels, temperature, block_t, block_v, one_pass, as_bits):
     T, D = hidden.shape
     V = weight.shape[1]
     bt, tp, bv = _blocks(T, V, block_t, block_v)
     nt, nv = tp // bt, -(-V // bv)
-    hb = _bits(jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D))
+    hb = _bits(jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D), as_bits)
     lb = jnp.pad(labels.astype(jnp.int32), (0, tp - T), constant_values=-1).reshape(nt, bt, 1)
-    w_bits = _bits(weight)
+    w_bits = _bits(weight, as_bits)
 
     def token_block(args):
         h_t, l_t = args  # [bt, D] (bits), [bt, 1]
@@ -109,18 +109,18 @@ def _forward(hidden, weight, labels, temperature, block_t, block_v, one_pass):
     return tuple(x.reshape(tp)[:T] for x in out)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _stats(hidden, weight, labels, temperature, block_t, block_v, one_pass):
-    return _forward(hidden, weight, labels, temperature, block_t, block_v, one_pass)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
+def _stats(hidden, weight, labels, temperature, block_t, block_v, one_pass, as_bits):
+    return _forward(hidden, weight, labels, temperature, block_t, block_v, one_pass, as_bits)
 
 
-def _stats_fwd(hidden, weight, labels, temperature, block_t, block_v, one_pass):
-    lse, ent, zl = _forward(hidden, weight, labels, temperature, block_t, block_v, one_pass)
+def _stats_fwd(hidden, weight, labels, temperature, block_t, block_v, one_pass, as_bits):
+    lse, ent, zl = _forward(hidden, weight, labels, temperature, block_t, block_v, one_pass, as_bits)
     return (lse, ent, zl), (hidden, weight, labels, lse, ent)
 
 
-def _stats_bwd(temperature, block_t, block_v, one_pass, res, cts):
-    return stats_backward(*res, cts, temperature, block_t, block_v)
+def _stats_bwd(temperature, block_t, block_v, one_pass, as_bits, res, cts):
+    return stats_backward(*res, cts, temperature, block_t, block_v, as_bits)
 
 
 def stats_backward(
@@ -133,8 +133,10 @@ def stats_backward(
     temperature: float,
     block_t: int,
     block_v: int,
+    as_bits: bool,
 ) -> tuple[jax.Array, jax.Array, None]:  # dh [T, D], dW [D, V] in the inputs' dtypes, None (labels)
-    """The custom VJP's backward: logits recomputed tile by tile, dh and dW accumulated by XLA loops."""
+    """The custom VJP's backward: logits recomputed tile by tile, dh and dW accumulated by XLA loops;
+    `as_bits` (on CPU) slices and updates non-float32 arrays through an integer view (module docstring)."""
     T, D = hidden.shape
     V = weight.shape[1]
     bt, tp, bv = _blocks(T, V, block_t, block_v)
@@ -143,10 +145,10 @@ def stats_backward(
     def col(x, fill=0):  # [T] -> [nt, bt, 1]
         return jnp.pad(x, (0, tp - T), constant_values=fill).reshape(nt, bt, 1)
 
-    hb = _bits(jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D))
-    w_bits = _bits(weight)
+    hb = _bits(jnp.pad(hidden, ((0, tp - T), (0, 0))).reshape(nt, bt, D), as_bits)
+    w_bits = _bits(weight, as_bits)
     lb = col(labels.astype(jnp.int32), -1)
-    to_buf, from_buf = _bits, lambda x: _unbits(x, weight.dtype)  # dW buffer (see the top)
+    to_buf, from_buf = functools.partial(_bits, as_bits=as_bits), lambda x: _unbits(x, weight.dtype)  # dW buffer
     lse_b, mean_b = col(lse), col(lse - ent)
     g_lse, g_ent, g_zl = (col(jnp.asarray(g, jnp.float32)) for g in cts)
     # The two gradient matmuls take the inputs' own precision: float32 dz against a bf16 weight would
@@ -196,12 +198,14 @@ def token_stats(
     block_t: int | None = None,
     block_v: int | None = None,
     one_pass: bool | None = None,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:  # (lse, entropy, label_logit), 3 x [T] float32
-    """See reference.token_stats for the contract; block sizes default to `default_blocks()`, one_pass
-    (the forward reads each logit tile once, `tiles.update_stats_one_pass`) to the backend's choice
-    (`ONE_PASS_BACKENDS`)."""
-    bt, bv = default_blocks()
+    """See reference.token_stats for the contract; block sizes default to `default_blocks` of the
+    `choices`' platform (None: jax's backend), one_pass (the forward reads each logit tile once,
+    `tiles.update_stats_one_pass`) to that platform's (`ONE_PASS_BACKENDS`)."""
+    platform = resolved(choices).platform
+    bt, bv = default_blocks(platform)
     if one_pass is None:
-        one_pass = current_choices().platform in ONE_PASS_BACKENDS
+        one_pass = platform in ONE_PASS_BACKENDS
     return _stats(hidden, weight, labels, float(temperature), int(block_t or bt), int(block_v or bv),
-                  bool(one_pass))
+                  bool(one_pass), platform == "cpu")

@@ -67,7 +67,7 @@ def time_pieces(config: Qwen35Config, batch: int, seq: int, steps: int) -> list[
     chunk = config.gdn_chunk(jax.default_backend())
 
     def rule(q, k, v, g, beta):
-        return jnp.sum(chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk)[0])
+        return jnp.sum(chunked_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk, choices=config.kernels)[0])
 
     time_piece("    delta rule", jit_tuned(rule), jit_tuned(jax.grad(rule, argnums=(0, 1, 2, 3, 4))),
                (q, k, v, g, beta))
@@ -77,7 +77,7 @@ def time_pieces(config: Qwen35Config, batch: int, seq: int, steps: int) -> list[
     labels = jnp.asarray(rng.integers(0, config.vocab_size, (B * S,)), jnp.int32)
 
     def head(h, w):
-        lp, _ = linear_logprob_entropy(h.reshape(B * S, D), w, labels)
+        lp, _ = linear_logprob_entropy(h.reshape(B * S, D), w, labels, choices=config.kernels)
         return -jnp.mean(lp)
 
     time_piece("loss (lm_head + log-probs)", jit_tuned(head), jit_tuned(jax.grad(head, argnums=(0, 1))), (x, w))

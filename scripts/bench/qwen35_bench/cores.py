@@ -5,24 +5,11 @@ boolean mask); and the GDN rule's chunk-local part, our Pallas kernels against o
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from qwen35_bench.timing import jit_tuned, time_side_by_side
-
-
-def _in_kernel_blocks(blocks: tuple[int, int], fn: Callable) -> Callable:
-    """`fn` called (and so, the first time, traced) with the GDN state kernel's `blocks`."""
-    from qwen35_kernels.choices import kernel_choices
-
-    def call(*args):
-        with kernel_choices(gdn_kernel_blocks=blocks):
-            return fn(*args)
-
-    return call
 
 
 def time_gdn_core(
@@ -50,21 +37,22 @@ def time_gdn_core(
     cot = rng.standard_normal((B, S, H, D)).astype(np.float32)
     jargs = [jnp.asarray(x) for x in (q, k, v, g, beta)]
 
+    from qwen35_kernels.choices import KernelChoices
     from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
 
     grads = {}
     for scan in scans or [None]:
         for precision in precisions or [None]:
             for blocks in kernel_blocks or [None]:
-                def gdn_loss(q, k, v, g, beta, precision=precision, scan=scan):
+                choices = KernelChoices() if blocks is None else KernelChoices(gdn_kernel_blocks=blocks)
+
+                def gdn_loss(q, k, v, g, beta, precision=precision, scan=scan, choices=choices):
                     # torch's rule scales q inside; ours takes it scaled
                     out, _ = chunked_gated_delta_rule(q * D**-0.5, k, v, g, beta, precision=precision,
-                                                      chunk_scan=scan)
+                                                      chunk_scan=scan, choices=choices)
                     return jnp.sum(out * cot)
 
                 grad = jit_tuned(jax.grad(gdn_loss, argnums=(0, 1, 2, 3, 4)))
-                if blocks is not None:
-                    grad = _in_kernel_blocks(blocks, grad)
                 label = None if blocks is None else "blocks {}x{}".format(*blocks)
                 grads[" ".join(["ours", *(x for x in (precision, scan, label) if x is not None)])] = grad
     fns = {name: (lambda f=f: jax.block_until_ready(f(*jargs))) for name, f in grads.items()} if ours else {}
@@ -123,7 +111,7 @@ def time_gdn_chunk_local(seq: int, heads: int, dim: int, *, steps: int, chunk: i
 
     grads, ref_of = {}, {}
     for precision in precisions or [None]:
-        prec = resolve_gdn_precision(precision)
+        prec = resolve_gdn_precision(None, precision)
 
         def kernel_loss(q, k, v, cum, beta, read, write, prec=prec):
             u, w, intra, q_read, k_write = pallas_chunk_local(q, k, v, cum, beta, read, write, doc, prec)

@@ -85,14 +85,13 @@ def ours_step(config: Qwen35Config, tokens: np.ndarray, attention: str = "auto",
     matmul precision it was traced with."""
     import jax
     from flax import nnx
-    from qwen35_kernels.choices import requested_choices
 
     from qwen35_jax.model import Qwen35ForCausalLM
     from qwen35_jax.parallel.mesh import create_sharded, make_mesh
     from qwen35_jax.train import StepOptions, make_optimizer, make_schedule, place_batch, trainer_step
 
-    # the kernel choices in force where the benchmark runs (its flags), with this row's attention
-    config = config.replace(kernels=requested_choices().replace(attention=attention))
+    # the config's kernel choices (the benchmark's flags), with this row's attention
+    config = config.replace(kernels=config.kernels.replace(attention=attention))
     mesh = make_mesh((1, 1), jax.devices()[:1])
     model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), mesh)
     step, params, opt_state = trainer_step(model, make_optimizer(make_schedule(1e-4, 1000)), mesh,
