@@ -6,7 +6,7 @@ import pytest
 from data_testutil import VOCAB, demo_tokenizer, demo_tokenizer_dir
 from qwen35_jax.data.chat_masks import (assistant_mask, assistant_mask_by_prefixes, assistant_mask_from_markers,
                                         has_generation_markers)
-from qwen35_jax.data.rows import BadRow, RowEncoder
+from qwen35_jax.data.rows import BadRow, PromptEncoder, RowEncoder
 
 CHAT = [{"role": "system", "content": "Be brief."},
         {"role": "user", "content": "What does the fox eat?"},
@@ -125,3 +125,82 @@ def test_rows_needing_a_tokenizer_without_one_are_bad():
         RowEncoder(None, VOCAB).encode({"text": "hello"})
     tokens, _ = RowEncoder(None, VOCAB).encode({"input_ids": [1, 2, 3]})
     assert tokens.dtype == np.int32
+
+
+def _bos_adding_tokenizer():
+    """The demo tokenizer made to add a BOS (<|endoftext|>) when asked for special tokens, as Llama's do."""
+    import copy
+
+    from tokenizers import processors
+
+    tok = copy.deepcopy(demo_tokenizer())
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", tok.eos_token_id)])
+    assert tok.encode("fox")[0] == tok.eos_token_id  # the special token is really added
+    return tok
+
+
+def test_a_prompt_row_gets_the_prompt_ids_of_a_prompt_response_training_row():
+    # One tokenization for training rows and prompts (generation, online RL): text as is, no special
+    # tokens, so a model trained on prompt/response rows is prompted with the ids it was trained on.
+    for tok in (demo_tokenizer(), _bos_adding_tokenizer()):
+        prompt_ids = PromptEncoder(tok, VOCAB).encode({"prompt": "Q: fox?"})
+        tokens, loss_mask = RowEncoder(demo_tokenizer_dir(), VOCAB, loaded=tok).encode(
+            {"prompt": "Q: fox?", "response": " berries"})
+        assert prompt_ids == tok("Q: fox?", add_special_tokens=False)["input_ids"]
+        assert tokens[:len(prompt_ids)].tolist() == prompt_ids and loss_mask[:len(prompt_ids) - 1].sum() == 0
+
+
+def test_a_chat_prompt_is_rendered_with_the_template_and_its_generation_prompt():
+    tok = demo_tokenizer()
+    messages = CHAT[:2]
+    ids = PromptEncoder(tok, VOCAB).encode({"messages": messages})
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert ids == tok(text, add_special_tokens=False)["input_ids"]
+    # the training row of the same conversation plus the answer starts with exactly these ids
+    tokens, _ = RowEncoder(demo_tokenizer_dir(), VOCAB, loaded=tok).encode({"messages": CHAT[:3]})
+    assert tokens[:len(ids)].tolist() == ids
+
+
+def test_chat_template_kwargs_reach_the_template():
+    import copy
+
+    tok = copy.deepcopy(demo_tokenizer())
+    tok.chat_template = THINKING_TEMPLATE.replace(
+        "{{ '<|im_start|>assistant\\n' }}", "{{ '<|im_start|>assistant\\n' + ('' if thinking else '<think></think>') }}")
+    plain = PromptEncoder(tok, VOCAB).encode({"messages": CHAT[1:2]})
+    thinking = PromptEncoder(tok, VOCAB, chat_template_kwargs={"thinking": True}).encode({"messages": CHAT[1:2]})
+    assert tok.decode(plain).endswith("<|im_start|>assistant\n<think></think>")
+    assert tok.decode(thinking).endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.parametrize("row, reason", [
+    ({"text": "x"}, "needs exactly one of prompt_ids, prompt, messages; has none"),
+    ({"prompt": "x", "prompt_ids": [1]}, "needs exactly one of"),
+    ({"prompt_ids": [1, 2.5]}, "'prompt_ids' must be a list of integers"),
+    ({"prompt_ids": []}, "the prompt is empty"),
+    ({"prompt_ids": [1, 256]}, "token id 256 is outside the vocabulary [0, 256)"),
+    ({"prompt": 7}, "'prompt' must be a string"),
+    ({"messages": []}, "'messages' must be a non-empty list"),
+    ({"messages": [{"role": "user"}]}, "message 0 needs a string 'role' and a string 'content'"),
+    ({"messages": [{"role": "robot", "content": "beep"}]}, "the chat template failed on 'messages' (unsupported role"),
+])
+def test_bad_prompt_rows_say_why(row, reason):
+    with pytest.raises(BadRow) as err:
+        PromptEncoder(demo_tokenizer(), VOCAB).encode(row)
+    assert reason in str(err.value)
+
+
+def test_prompts_needing_a_tokenizer_or_a_template_without_one_are_bad():
+    import copy
+
+    assert PromptEncoder(None, VOCAB).encode({"prompt_ids": [1, 2]}) == [1, 2]
+    with pytest.raises(BadRow, match="a 'prompt' row needs a tokenizer"):
+        PromptEncoder(None, VOCAB).encode({"prompt": "hello"})
+    tok = copy.deepcopy(demo_tokenizer())
+    tok.chat_template = None
+    for encode in (PromptEncoder(tok, VOCAB, tokenizer_source="DIR").encode,
+                   RowEncoder("DIR", VOCAB, loaded=tok).encode):
+        with pytest.raises(BadRow, match="'messages' need a chat template; the tokenizer at DIR has none"):
+            encode({"messages": CHAT})

@@ -1,8 +1,16 @@
-"""One JSONL row -> (token ids, loss mask): text, input_ids (+ loss_mask), messages, prompt/response.
+"""JSONL rows -> token ids: a training row's (tokens, loss mask), and a prompt row's prompt.
 
-The loss mask is aligned with the log-probs, as in the prepared dataset: `loss_mask[t] = 1` trains the
-prediction of `tokens[t + 1]`, so it is 0 at the row's last token. A row that cannot be used raises
-`BadRow` with the reason; the caller adds the file and line.
+`RowEncoder` turns a training row (text, input_ids (+ loss_mask), messages, prompt/response) into
+tokens and a loss mask aligned with the log-probs, as in the prepared dataset: `loss_mask[t] = 1`
+trains the prediction of `tokens[t + 1]`, so it is 0 at the row's last token.
+
+`PromptEncoder` turns a prompt row (prompt_ids, prompt or messages) into the ids generation and online
+RL start from. It is also the tokenization `RowEncoder` goes through, so training rows and prompts are
+tokenized one way: text as is, without special tokens (a prompt gets the ids a prompt/response
+training row gives it, with BOS-adding tokenizers too); a conversation checked by `check_messages`
+and rendered by the tokenizer's chat template; every id checked against the model's vocabulary.
+
+A row that cannot be used raises `BadRow` with the reason; the caller adds the file and line.
 """
 
 from __future__ import annotations
@@ -10,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -52,32 +61,133 @@ def check_tokenizer(tokenizer: Any, vocab_size: int, *, source: str) -> None:
                          f"{vocab_size}: use the model's own tokenizer")
 
 
+PROMPT_FIELDS = ("prompt_ids", "prompt", "messages")  # a prompt row gives exactly one of these
+
+
+def check_vocabulary(ids: Any, vocab_size: int) -> None:
+    """BadRow naming the first id of `ids` (a list or an array) outside [0, vocab_size)."""
+    ids = np.asarray(ids, np.int64)
+    outside = ids[(ids < 0) | (ids >= vocab_size)]
+    if outside.size:
+        raise BadRow(f"token id {int(outside[0])} is outside the vocabulary [0, {vocab_size})")
+
+
+def check_messages(messages: Any) -> None:
+    """BadRow unless `messages` is a conversation: a non-empty list of objects with a string 'role' and
+    a string 'content'."""
+    if not isinstance(messages, list) or not messages:
+        raise BadRow("'messages' must be a non-empty list")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                or not isinstance(message.get("content"), str):
+            raise BadRow(f"message {i} needs a string 'role' and a string 'content'")
+
+
 def prediction_mask(target_mask: np.ndarray) -> np.ndarray:  # [L] -> [L]
     """Per-token "train on this token" -> aligned with the log-probs (entry t predicts token t + 1)."""
     return np.concatenate([target_mask[1:], [0]]).astype(np.int32)
 
 
+class PromptEncoder:
+    """Prompt row -> prompt token ids, and the tokenization `RowEncoder` goes through. `tokenizer` is
+    an HF tokenizer (needed for text and chats) or None; `chat_template_kwargs` go to the chat template
+    when it renders a prompt's 'messages'; `tokenizer_source` (its directory) names it in errors."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, *, chat_template_kwargs: Mapping[str, Any] | None = None,
+                 tokenizer_source: str | None = None):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.source = tokenizer_source
+
+    def encode(self, row: Any) -> list[int]:
+        """The prompt ids of a prompt row: its `prompt_ids`, its `prompt` tokenized, or its `messages`
+        rendered with the generation prompt; BadRow with the reason."""
+        if not isinstance(row, dict):
+            raise BadRow(f"expected a JSON object, got {type(row).__name__}")
+        given = [f for f in PROMPT_FIELDS if f in row]
+        if len(given) != 1:
+            raise BadRow(f"needs exactly one of {', '.join(PROMPT_FIELDS)}; has {given or 'none'}")
+        field = given[0]
+        if field == "prompt_ids":
+            ids = row["prompt_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+                raise BadRow("'prompt_ids' must be a list of integers")
+        elif field == "prompt":
+            ids = self.tokenize(row["prompt"], "prompt")
+        else:
+            ids = self.chat_prompt(row["messages"])
+        if not ids:
+            raise BadRow("the prompt is empty")
+        check_vocabulary(ids, self.vocab_size)
+        return list(ids)
+
+    def decode(self, ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    def tokenize(self, text: Any, field: str) -> list[int]:
+        """The ids of the string `text` (row field `field`), without special tokens."""
+        if not isinstance(text, str):
+            raise BadRow(f"'{field}' must be a string, got {type(text).__name__}")
+        return list(self._tokenizer(field)(text, add_special_tokens=False)["input_ids"])
+
+    def chat_tokenizer(self) -> Any:
+        """The tokenizer, which must have a chat template to render 'messages'."""
+        tokenizer = self._tokenizer("messages")
+        if not getattr(tokenizer, "chat_template", None):
+            where = f" at {self.source}" if self.source else ""
+            raise BadRow(f"'messages' need a chat template; the tokenizer{where} has none")
+        return tokenizer
+
+    def chat_prompt(self, messages: Any) -> list[int]:
+        """A conversation rendered by the chat template with its generation prompt (and
+        `chat_template_kwargs`), tokenized without special tokens: what the model continues."""
+        check_messages(messages)
+        tokenizer = self.chat_tokenizer()
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                                 **self.chat_template_kwargs)
+        except Exception as err:  # the template's own errors (jinja, a missing role...) name the problem
+            first = (str(err).splitlines() or [type(err).__name__])[0]
+            raise BadRow(f"the chat template failed on 'messages' ({first})") from None
+        return self.tokenize(text, "messages")
+
+    def _tokenizer(self, field: str) -> Any:
+        if self.tokenizer is None:
+            raise BadRow(f"a '{field}' row needs a tokenizer (--tokenizer; none was found with the model)")
+        return self.tokenizer
+
+
 class RowEncoder:
-    """Turns parsed JSONL rows into (tokens int32 [L], loss_mask int32 [L]).
+    """Turns parsed JSONL rows into (tokens int32 [L], loss_mask int32 [L]), tokenizing through a
+    `PromptEncoder`.
 
     Picklable for grain's worker processes: the tokenizer is loaded in each process on first use.
     """
 
     def __init__(self, tokenizer_dir: str | None, vocab_size: int, *, loaded: Any = None):
         self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
-        self._tokenizer = loaded  # the tokenizer of `tokenizer_dir`, when the caller has it already
+        # the tokenizer of `tokenizer_dir`, when the caller has it already
+        self._prompts = None if loaded is None else self._prompt_encoder(loaded)
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_tokenizer": None}
+        return {**self.__dict__, "_prompts": None}
+
+    def _prompt_encoder(self, tokenizer: Any) -> PromptEncoder:
+        return PromptEncoder(tokenizer, self.vocab_size, tokenizer_source=self.tokenizer_dir)
+
+    @property
+    def prompts(self) -> PromptEncoder:
+        """The `PromptEncoder` of this row encoder's tokenizer (loaded on first use)."""
+        if self._prompts is None:
+            if self.tokenizer_dir is None:
+                raise BadRow("text, messages and prompt/response rows need a tokenizer (--tokenizer)")
+            prompts = self._prompt_encoder(load_tokenizer(self.tokenizer_dir))
+            self._prompts = self._prompts or prompts  # another thread may have loaded it meanwhile
+        return self._prompts
 
     @property
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            if self.tokenizer_dir is None:
-                raise BadRow("text, messages and prompt/response rows need a tokenizer (--tokenizer)")
-            tokenizer = load_tokenizer(self.tokenizer_dir)
-            self._tokenizer = self._tokenizer or tokenizer
-        return self._tokenizer
+        return self.prompts.tokenizer
 
     def encode_line(self, text: bytes) -> tuple[np.ndarray, np.ndarray]:
         try:
@@ -99,17 +209,13 @@ class RowEncoder:
             tokens, loss_mask = self._input_ids(row["input_ids"], row.get("loss_mask"))
         else:
             raise BadRow("no 'text', 'input_ids', 'messages' or 'prompt'/'response' field")
-        if len(tokens) and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
-            bad = int(tokens[(tokens < 0) | (tokens >= self.vocab_size)][0])
-            raise BadRow(f"token id {bad} is outside the vocabulary [0, {self.vocab_size})")
+        check_vocabulary(tokens, self.vocab_size)
         if not loss_mask.any():
             raise BadRow("nothing to train on (no token has loss)")
         return tokens.astype(np.int32), loss_mask
 
     def _tokenize(self, text: Any, field: str) -> np.ndarray:
-        if not isinstance(text, str):
-            raise BadRow(f"'{field}' must be a string, got {type(text).__name__}")
-        return np.asarray(self.tokenizer(text, add_special_tokens=False)["input_ids"], np.int64)
+        return np.asarray(self.prompts.tokenize(text, field), np.int64)
 
     def _eos(self) -> np.ndarray:
         eos = self.tokenizer.eos_token_id
@@ -153,16 +259,10 @@ class RowEncoder:
         return np.asarray(value, np.int64)
 
     def _messages(self, messages: Any) -> tuple[np.ndarray, np.ndarray]:
-        if not isinstance(messages, list) or not messages:
-            raise BadRow("'messages' must be a non-empty list")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                    or not isinstance(message.get("content"), str):
-                raise BadRow(f"message {i} needs a string 'role' and a string 'content'")
-        if self.tokenizer.chat_template is None:
-            raise BadRow(f"tokenizer {self.tokenizer_dir} has no chat template, needed for 'messages' rows")
+        check_messages(messages)
+        tokenizer = self.prompts.chat_tokenizer()
         try:
-            tokens, assistant = assistant_mask(self.tokenizer, messages)
+            tokens, assistant = assistant_mask(tokenizer, messages)
         except ChatTemplateError as err:
             raise BadRow(str(err)) from None
         return tokens, prediction_mask(assistant)

@@ -1,25 +1,24 @@
 """Prompts from JSONL rows, and what a checkpoint says about its tokenizer and stop tokens.
 
 A row gives its prompt as `prompt_ids` (token ids), `prompt` (text, tokenized as is) or `messages`
-(a chat, rendered by the tokenizer's chat template with its generation prompt). Every other field is
-the caller's (kept in the output, read by a reward). Shared by `scripts/generate.py` and the online
-RL loop.
+(a chat, rendered by the tokenizer's chat template with its generation prompt); `PromptEncoder`
+(`qwen35_jax.data.rows`, the tokenization training rows go through too) turns it into ids. Every other
+field is the caller's (kept in the output, read by a reward). Shared by `scripts/generate.py` and the
+online RL loop.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import yaml
 
 from qwen35_jax.checkpoint import is_checkpoint, read_metadata, resolve_checkpoint
-from qwen35_jax.data.rows import BadRow, load_tokenizer
+from qwen35_jax.data.rows import PROMPT_FIELDS, BadRow, PromptEncoder, load_tokenizer
 from qwen35_jax.run_layout import CONFIG_FILE, is_run_dir
 
-PROMPT_FIELDS = ("prompt_ids", "prompt", "messages")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -42,61 +41,6 @@ def read_prompt_rows(path: str) -> list[dict[str, Any]]:
     if not rows:
         raise ValueError(f"{path}: no prompts")
     return rows
-
-
-class PromptEncoder:
-    """JSONL row -> prompt token ids. `tokenizer` (an HF tokenizer or None) is needed for text and chats."""
-
-    def __init__(self, tokenizer: Any, vocab_size: int, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                 tokenizer_source: str | None = None):
-        self.tokenizer, self.vocab_size = tokenizer, vocab_size
-        self.chat_template_kwargs = dict(chat_template_kwargs or {})
-        self.source = tokenizer_source
-
-    def encode(self, row: Mapping[str, Any]) -> list[int]:
-        """The row's prompt ids; BadRow with the reason."""
-        given = [f for f in PROMPT_FIELDS if f in row]
-        if len(given) != 1:
-            raise BadRow(f"needs exactly one of {', '.join(PROMPT_FIELDS)}; has {given or 'none'}")
-        field = given[0]
-        if field == "prompt_ids":
-            ids = row["prompt_ids"]
-            if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-                raise BadRow("'prompt_ids' must be a list of integers")
-        elif field == "prompt":
-            if not isinstance(row["prompt"], str):
-                raise BadRow(f"'prompt' must be a string, got {type(row['prompt']).__name__}")
-            ids = self._tokenizer("prompt").encode(row["prompt"])
-        else:
-            ids = self._chat(row["messages"])
-        if not ids:
-            raise BadRow("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise BadRow(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
-        return list(ids)
-
-    def decode(self, ids: list[int]) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
-
-    def _tokenizer(self, field: str) -> Any:
-        if self.tokenizer is None:
-            raise BadRow(f"a '{field}' row needs a tokenizer (--tokenizer; none was found with the model)")
-        return self.tokenizer
-
-    def _chat(self, messages: Any) -> list[int]:
-        tokenizer = self._tokenizer("messages")
-        if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
-            raise BadRow("'messages' must be a list of objects with 'role' and 'content'")
-        if not getattr(tokenizer, "chat_template", None):
-            where = f" at {self.source}" if self.source else ""
-            raise BadRow(f"'messages' need a chat template; the tokenizer{where} has none")
-        try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **self.chat_template_kwargs)
-        except Exception as err:  # the template's own errors (jinja, a missing role...) name the problem
-            raise BadRow(f"the chat template failed on 'messages' ({str(err).splitlines()[0]})") from None
-        return tokenizer.encode(text, add_special_tokens=False)
 
 
 def run_dir_of(path: str) -> str | None:
@@ -205,6 +149,6 @@ def default_stop_token_ids(model_path: str, tokenizer: Any) -> list[int]:
     return [] if eos is None else [int(eos)]
 
 
-__all__ = ["BadRow", "PromptEncoder", "default_stop_token_ids", "load_tokenizer", "model_tokenizer",
-           "parse_chat_template_kwargs", "parse_stop_token_ids", "read_prompt_rows", "stop_token_ids",
-           "tokenizer_dir_for"]
+__all__ = ["PROMPT_FIELDS", "BadRow", "PromptEncoder", "default_stop_token_ids", "load_tokenizer",
+           "model_tokenizer", "parse_chat_template_kwargs", "parse_stop_token_ids", "read_prompt_rows",
+           "stop_token_ids", "tokenizer_dir_for"]
