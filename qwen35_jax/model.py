@@ -1,5 +1,7 @@
-"""Qwen3.5 decoder stack: embed -> the repeating block of layers, scanned or one after another
-(`scan_layers`), under the config's remat policy -> final norm."""
+"""Qwen3.5 decoder stack and its one forward pass: embed -> rotary from positions -> the repeating
+block of layers (scanned or one after another, under the config's remat policy) -> final norm.
+Training, scoring, prefill and decoding all call `Qwen35ForCausalLM.__call__`; a cache argument is
+what differs (`layers/cache.py`)."""
 
 from __future__ import annotations
 
@@ -10,11 +12,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
-from qwen35_kernels.choices import current_choices
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.layers.attention import Attention
-from qwen35_jax.layers.cache import AttentionCache, GdnCache
+from qwen35_jax.layers.cache import AttentionCache, GdnCache, HybridCache, LayerCache, is_decode_step
 from qwen35_jax.layers.gated_deltanet import GatedDeltaNet
 from qwen35_jax.layers.mlp import MLP
 from qwen35_jax.layers.moe import SparseMoeBlock
@@ -22,7 +23,7 @@ from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import rope_cos_sin
 from qwen35_jax.layers.tiling import tiled_over_sequence
 from qwen35_jax.parallel.local import token_local
-from qwen35_jax.parallel.mesh import ACT_BSD, FSDP, SP, auto_mesh, constrain, mesh_axis_size
+from qwen35_jax.parallel.mesh import ACT_BSD, FSDP, SP, auto_mesh, constrain, mesh_axis_size, rows_spec
 from qwen35_jax.parallel.padding import pad_inputs, strip
 
 
@@ -43,40 +44,24 @@ class DecoderLayer(nnx.Module):
         self.mlp = SparseMoeBlock(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
         self.recompute_mlp = config.remat == "mlp"  # the MoE block reads the same setting itself
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """x: [B, S, D], cos/sin: [B, S, R], segment_ids: [B, S] -> [B, S, D]"""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
+                 cache: LayerCache | None = None) -> jax.Array | tuple[jax.Array, AttentionCache | GdnCache]:
+        """x: [B, S, D], cos/sin: [B, S, R], segment_ids: [B, S] -> [B, S, D]; with `cache`, also the
+        layer's stacked cache after the call. A decode step's rows are whole on a device (no sequence
+        axis to split): the feed-forward runs as plain calls, no tiles and no shard_map."""
         h = self.input_layernorm(x)
         if self.kind == "linear_attention":
-            h = self.linear_attn(h, segment_ids)
+            h = self.linear_attn(h, segment_ids, cache)
         else:
-            h = self.self_attn(h, cos, sin, segment_ids)
-        return self.feed_forward_residual(constrain(x + h, ACT_BSD))
-
-    def prefill(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array, lengths: jax.Array
-                ) -> tuple[jax.Array, AttentionCache | GdnCache]:
-        """The layer on right-padded prompts (x [B, S, D], lengths [B]) -> [B, S, D] and its cache: K and
-        V of every position [B, S, K, Dh], or the GDN conv window and state after each prompt."""
-        h = self.input_layernorm(x)
-        if self.kind == "linear_attention":
-            h, cache = self.linear_attn.prefill(h, segment_ids, lengths)
+            h = self.self_attn(h, cos, sin, segment_ids, cache)
+        h, updated = h if cache is not None else (h, None)
+        if is_decode_step(x, cache):
+            x = x + h
+            mlp = self.mlp.route_and_mix if isinstance(self.mlp, SparseMoeBlock) else self.mlp
+            x = x + mlp(self.post_attention_layernorm(x))
         else:
-            h, k, v = self.self_attn.prefill(h, cos, sin, segment_ids)
-            cache = AttentionCache(k=k, v=v)
-        return self.feed_forward_residual(constrain(x + h, ACT_BSD)), cache
-
-    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: AttentionCache | GdnCache, block: int,
-               positions: jax.Array) -> tuple[jax.Array, AttentionCache | GdnCache]:
-        """One new token per row at `positions` [B]: x [B, 1, D], cos/sin [B, 1, R] -> [B, 1, D], and
-        `cache` (stacked over blocks, this layer's at `block`) updated in place. Rows are whole on a
-        device (no sequence axis to split): plain calls, no shard_map."""
-        h = self.input_layernorm(x)
-        if self.kind == "linear_attention":
-            h, cache = self.linear_attn.decode(h, cache, block)
-        else:
-            h, cache = self.self_attn.decode(h, cos, sin, cache, block, positions)
-        x = x + h
-        mlp = self.mlp.route_and_mix if isinstance(self.mlp, SparseMoeBlock) else self.mlp
-        return x + mlp(self.post_attention_layernorm(x)), cache
+            x = self.feed_forward_residual(constrain(x + h, ACT_BSD))
+        return x if cache is None else (x, updated)
 
     def feed_forward_residual(self, x: jax.Array) -> jax.Array:
         """x + mlp(post_attention_layernorm(x)) on sequence shards. [B, S, D] -> [B, S, D]"""
@@ -115,8 +100,18 @@ class Block(nnx.Module):
         self.remat = config.remat
         self.layers = nnx.List([DecoderLayer(config, config.layer_types[j], rngs=rngs) for j in range(p)])
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """x: [B, S, D] -> [B, S, D]; every layer under its own checkpoint for remat layer/nested/offload."""
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
+                 cache: HybridCache | None = None, block: int = 0
+                 ) -> jax.Array | tuple[jax.Array, tuple[AttentionCache | GdnCache, ...]]:
+        """x: [B, S, D] -> [B, S, D]; without a cache every layer under its own checkpoint for remat
+        layer/nested/offload; with one (this block's slot `block` of it), also the updated layer
+        caches (`HybridCache.layers`)."""
+        if cache is not None:
+            updated = []
+            for layer, stacked in zip(self.layers, cache.layers):
+                x, stacked = layer(x, cos, sin, segment_ids, LayerCache(stacked, block, cache.lengths))
+                updated.append(stacked)
+            return x, tuple(updated)
         per_layer = self.remat in ("layer", "nested", "offload")
         for layer in self.layers:
             if self.remat == "offload":
@@ -127,39 +122,20 @@ class Block(nnx.Module):
                 x = layer(x, cos, sin, segment_ids)
         return x
 
-    def prefill(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array, lengths: jax.Array
-                ) -> tuple[jax.Array, tuple[AttentionCache | GdnCache, ...]]:
-        """`DecoderLayer.prefill` layer by layer: [B, S, D] -> [B, S, D] and one cache per layer."""
-        caches = []
-        for layer in self.layers:
-            x, cache = layer.prefill(x, cos, sin, segment_ids, lengths)
-            caches.append(cache)
-        return x, tuple(caches)
-
-    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, caches: tuple[AttentionCache | GdnCache, ...],
-               block: int, positions: jax.Array) -> tuple[jax.Array, tuple[AttentionCache | GdnCache, ...]]:
-        """`DecoderLayer.decode` layer by layer: [B, 1, D] -> [B, 1, D] and the updated caches
-        (stacked over blocks, this block's at `block`)."""
-        updated = []
-        for layer, cache in zip(self.layers, caches):
-            x, cache = layer.decode(x, cos, sin, cache, block, positions)
-            updated.append(cache)
-        return x, tuple(updated)
-
 
 EMBED_SCOPE = "embed_lookup"
 UNROLLABLE_REMAT = ("none", "mlp")  # policies under which GPU runs the blocks one after another
 
 
 def scans_layers(config: Qwen35Config, backend: str | None = None) -> bool:
-    """`config.scan_layers` with "auto" resolved for `backend` (None: the kernel choices' platform), read
-    at trace time:
+    """`config.scan_layers` with "auto" resolved for `backend` ("cpu", "gpu", "tpu"; None: the
+    platform of the config's kernel choices):
     one after another only on GPU and only where no block is recomputed (remat "none" or "mlp"). The
     scan orders a recomputing backward block by block; unrolled, XLA is free to start every block's
-    backward buffers at once (the 0.8B at 4 x 8,192 tokens under "full": 29.7 GiB scanned, 47.7
-    unrolled). "mlp" recomputes one layer's feed-forward inside that layer's backward only."""
+    backward buffers at once (docs/training.md, "Layer loop"). "mlp" recomputes one layer's
+    feed-forward inside that layer's backward only."""
     if config.scan_layers == "auto":
-        return (backend or current_choices().platform) != "gpu" or config.remat not in UNROLLABLE_REMAT
+        return (backend or config.kernels.resolve().platform) != "gpu" or config.remat not in UNROLLABLE_REMAT
     return bool(config.scan_layers)
 
 
@@ -199,6 +175,16 @@ def document_positions(segment_ids: jax.Array) -> jax.Array:
     return idx - jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
 
 
+def default_positions(shape: tuple[int, int], segment_ids: jax.Array | None, lengths: jax.Array | None
+                      ) -> jax.Array:  # [B, S] int32
+    """The text positions of tokens [B, S]: after each row's `lengths` [B] cached tokens, else each
+    document's token index (`segment_ids`), else 0..S-1."""
+    idx = jnp.broadcast_to(jnp.arange(shape[1], dtype=jnp.int32), shape)
+    if lengths is not None:
+        return lengths.astype(jnp.int32)[:, None] + idx
+    return idx if segment_ids is None else document_positions(segment_ids)
+
+
 class Qwen35ForCausalLM(nnx.Module):
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
         self.config = config
@@ -217,54 +203,94 @@ class Qwen35ForCausalLM(nnx.Module):
             self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dt,
                                       param_dtype=pd, rngs=rngs, kernel_init=nnx.initializers.normal(0.02))
 
-    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
-                 segment_ids: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
+                 cache: HybridCache | None = None) -> jax.Array | tuple[jax.Array, HybridCache]:
         """tokens [B, S] int, positions [B, S] or [3, B, S], segment_ids [B, S] (>= 1, 0 = padding)
-        -> final-normed hidden states [B, S, D] in the compute dtype (no lm_head)."""
+        -> final-normed hidden states [B, S, D] in the compute dtype (no lm_head); with `cache`, also
+        the cache holding the call's tokens after what it held (`layers/cache.py`).
+
+        The one forward pass of training, scoring, prefill and decoding: embed, rotary from the
+        positions, the blocks, the final norm. Positions default to each document's token index, or
+        with a cache to the slots the tokens fill. Without a cache any [B, S] runs on any mesh (padded
+        here to whole shards, stripped after); with one the caller lays the rows out: a prompt with
+        B a multiple of fsdp x sp and S of sp, a decode step (S = 1) with its rows split over every
+        device and no sequence split."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [B, S], got shape {tokens.shape}")
         if segment_ids is not None and segment_ids.shape != tokens.shape:
             raise ValueError(f"segment_ids shape {segment_ids.shape} does not match tokens {tokens.shape}")
-        if segment_ids is None:
-            segment_ids = jnp.ones(tokens.shape, jnp.int32)
-            if positions is None:
-                positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        elif positions is None:
-            positions = document_positions(segment_ids)
+        b, s = tokens.shape
+        if positions is None:
+            positions = default_positions(tokens.shape, segment_ids, None if cache is None else cache.lengths)
         if positions.shape[-2:] != tokens.shape:
             raise ValueError(f"positions shape {positions.shape} does not match tokens {tokens.shape}")
-        b, s = tokens.shape  # S padded to a multiple of sp, B to one of fsdp (segment 0), stripped at the end
-        mesh = auto_mesh()
-        tokens, positions, segment_ids = pad_inputs(
-            tokens, positions, segment_ids, mesh_axis_size(mesh, FSDP), mesh_axis_size(mesh, SP))
-        if positions.ndim == 2 and self.config.mrope_section is not None:
-            positions = jnp.broadcast_to(positions, (3, *positions.shape))  # text: t = h = w
+        if segment_ids is None:
+            segment_ids = jnp.ones(tokens.shape, jnp.int32)
+        decoding = is_decode_step(tokens, cache)
+        if cache is None:  # S padded to a multiple of sp, B to one of fsdp (segment 0), stripped at the end
+            mesh = auto_mesh()
+            tokens, positions, segment_ids = pad_inputs(
+                tokens, positions, segment_ids, mesh_axis_size(mesh, FSDP), mesh_axis_size(mesh, SP))
         cos, sin = rope_cos_sin(positions, self.config)  # [B, S, R]
-        x = constrain(embed_lookup(self.embed_tokens.embedding[...], tokens, self.config.dtype), ACT_BSD)  # [B, S, D]
+        x = self.embed(tokens, decoding)  # [B, S, D]
+        x, layers = self.run_blocks(x, cos, sin, segment_ids, cache)
+        if cache is None:
+            return strip(constrain(self.norm(x), ACT_BSD), b, s)
+        hidden = constrain(self.norm(x), rows_spec(3) if decoding else ACT_BSD)
+        lengths = cache.lengths + jnp.sum(segment_ids > 0, axis=1, dtype=jnp.int32)
+        return hidden, HybridCache(layers=layers, lengths=lengths)
 
+    def embed(self, tokens: jax.Array, decoding: bool = False) -> jax.Array:
+        """tokens [B, S] -> [B, S, D] in the compute dtype: sequence shards (`embed_lookup`), or for a
+        decode step whole rows split over every device."""
+        table = self.embed_tokens.embedding[...]
+        if decoding:
+            return constrain(jnp.take(table.astype(self.config.dtype), tokens, axis=0), rows_spec(3))
+        return constrain(embed_lookup(table, tokens, self.config.dtype), ACT_BSD)
+
+    def run_blocks(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
+                   cache: HybridCache | None) -> tuple[jax.Array, tuple[AttentionCache | GdnCache, ...] | None]:
+        """The one block iterator: x [B, S, D] through every block -> [B, S, D] (and with `cache`,
+        its updated `layers`).
+
+        Without a cache: under the config's remat policy, scanned or one after another as
+        `scans_layers` says. With one: one after another, each block writing its slot of the stacked
+        cache in place (a scan would read each block's cache as a slice and stack the updated ones
+        into a new buffer, copying the whole cache every token)."""
+        step = self.block_step(cos, sin, segment_ids)
+        if cache is None and scans_layers(self.config):
+            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
+            def run(block: Block, x: jax.Array) -> jax.Array:
+                return step(block, x)
+
+            return run(self.blocks, x), None
+        graphdef, stacked = nnx.split(self.blocks)  # block i is the i-th slice of every stacked parameter
+        for i in range(self.config.num_blocks):
+            block = nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], stacked))
+            if cache is None:
+                x = step(block, x)
+            else:
+                x, layers = block(x, cos, sin, segment_ids, cache, i)
+                cache = cache._replace(layers=layers)
+                if is_decode_step(x, cache):
+                    x = constrain(x, rows_spec(3))
+        return x, None if cache is None else cache.layers
+
+    def block_step(self, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array
+                   ) -> Callable[[Block, jax.Array], jax.Array]:
+        """`step(block, x)`: one block of the training pass under the config's remat policy."""
         def step(block: Block, x: jax.Array) -> jax.Array:
             return block(x, cos, sin, segment_ids)
 
         remat = self.config.remat
         if remat in ("full", "nested", "auto"):  # "auto" is the trainer's to resolve (train/remat_choice.py)
-            step = nnx.remat(step)
-        elif remat == "dots":
-            step = nnx.remat(step, policy=jax.checkpoint_policies.dots_saveable)
-        elif remat == "offload":
+            return nnx.remat(step)
+        if remat == "dots":
+            return nnx.remat(step, policy=jax.checkpoint_policies.dots_saveable)
+        if remat == "offload":
             check_offload_supported()
-            step = nnx.remat(step, policy=_offload_layer_inputs())
-
-        if scans_layers(self.config):
-            @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
-            def run(block: Block, x: jax.Array) -> jax.Array:
-                return step(block, x)
-
-            x = run(self.blocks, x)
-        else:  # block i is the i-th slice of every stacked parameter
-            graphdef, stacked = nnx.split(self.blocks)
-            for i in range(self.config.num_blocks):
-                x = step(nnx.merge(graphdef, jax.tree.map(lambda p, i=i: p[i], stacked)), x)
-        return strip(constrain(self.norm(x), ACT_BSD), b, s)
+            return nnx.remat(step, policy=_offload_layer_inputs())
+        return step
 
     def lm_head_weight(self) -> jax.Array:
         """[D, V]: the lm_head kernel, or the embedding transposed when tied."""

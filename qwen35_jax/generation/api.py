@@ -20,10 +20,9 @@ from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
 from qwen35_jax.generation.cache import describe_cache
-from qwen35_jax.generation.forward import rows_spec
 from qwen35_jax.generation.programs import programs
 from qwen35_jax.generation.sampling import SamplingOptions
-from qwen35_jax.parallel.mesh import SP, mesh_axis_size
+from qwen35_jax.parallel.mesh import SP, mesh_axis_size, rows_spec
 from qwen35_jax.parallel.padding import padded_size
 from qwen35_jax.parallel.processes import gather_values
 

@@ -8,7 +8,7 @@ from flax import nnx
 from qwen35_kernels.attention import attention_core, decode_attention
 
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.layers.cache import AttentionCache
+from qwen35_jax.layers.cache import AttentionCache, LayerCache, is_decode_step
 from qwen35_jax.layers.linear import Linear
 from qwen35_jax.layers.norms import RMSNorm
 from qwen35_jax.layers.rope import apply_rope
@@ -17,7 +17,7 @@ from qwen35_jax.parallel.ulysses import ulysses_attention
 
 class Attention(nnx.Module):
     def __init__(self, config: Qwen35Config, *, rngs: nnx.Rngs):
-        c = config
+        c = self.config = config
         self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         lin = dict(use_bias=False, dtype=jnp.dtype(c.dtype), param_dtype=jnp.dtype(c.param_dtype), rngs=rngs,
                    kernel_init=nnx.initializers.normal(0.02))
@@ -28,6 +28,11 @@ class Attention(nnx.Module):
         self.o_proj = Linear(h * dh, d, **lin)
         self.q_norm = RMSNorm(dh, eps=c.rms_norm_eps, param_dtype=c.param_dtype)
         self.k_norm = RMSNorm(dh, eps=c.rms_norm_eps, param_dtype=c.param_dtype)
+
+    def core(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
+        """The attention kernel of the config's kernel choices on one device's heads:
+        q [B, S, H, Dh], k/v [B, S, K, Dh], segment_ids [B, S] -> [B, S, H, Dh]."""
+        return attention_core(q, k, v, segment_ids)
 
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
@@ -42,29 +47,25 @@ class Attention(nnx.Module):
         v = self.v_proj(x).reshape(b, s, kh, dh)
         return q, gate, k, v
 
-    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array) -> jax.Array:
-        """x: [B, S, D], cos/sin: [B, S, R], segment_ids: [B, S] -> [B, S, D]"""
-        return self.prefill(x, cos, sin, segment_ids)[0]
+    def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
+                 cache: LayerCache | None = None) -> jax.Array | tuple[jax.Array, AttentionCache]:
+        """x: [B, S, D], cos/sin: [B, S, R], segment_ids: [B, S] -> [B, S, D]; with `cache`, also this
+        layer's stacked K/V [NB, B, L, K, Dh] holding the call's keys and values (`layers/cache.py`).
 
-    def prefill(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array
-                ) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """The layer on a whole sequence, and what a cache keeps of it: out [B, S, D], k and v [B, S, K, Dh]."""
+        A sequence (training, or a prompt that starts the cache) runs the training kernel, sequence-
+        parallel under a mesh; a decode step (one token per row, rows whole on a device) attends to
+        the cache, its own slot (the row's cache length) written in place first."""
         b, s, _ = x.shape
         q, gate, k, v = self.project(x, cos, sin)
-        out = ulysses_attention(attention_core, q, k, v, segment_ids)  # [B, S, H, Dh]; seq<->heads under sp
-        out = out * jax.nn.sigmoid(gate)
-        return self.o_proj(out.reshape(b, s, -1)), k, v
-
-    def decode(self, x: jax.Array, cos: jax.Array, sin: jax.Array, cache: AttentionCache, block: int,
-               positions: jax.Array) -> tuple[jax.Array, AttentionCache]:
-        """One new token per row. x: [B, 1, D], cos/sin: [B, 1, R], positions: [B] int, the slot of each
-        row's token; `cache` stacked over blocks [NB, B, L, K, Dh], this layer's at `block` -> out
-        [B, 1, D] and the cache with the token's key and value in their slot (written in place)."""
-        b = x.shape[0]
-        q, gate, k, v = self.project(x, cos, sin)  # [B, 1, ., Dh]
-        rows = jnp.arange(b)
-        cache = AttentionCache(k=cache.k.at[block, rows, positions].set(k[:, 0].astype(cache.k.dtype)),
-                               v=cache.v.at[block, rows, positions].set(v[:, 0].astype(cache.v.dtype)))
-        out = decode_attention(q[:, 0], cache.k[block], cache.v[block], positions + 1)  # [B, H, Dh]
-        out = out * jax.nn.sigmoid(gate[:, 0])
-        return self.o_proj(out.reshape(b, 1, -1)), cache
+        if is_decode_step(x, cache):
+            slots, block, rows = cache.lengths, cache.block, jnp.arange(b)
+            kv = AttentionCache(k=cache.stacked.k.at[block, rows, slots].set(k[:, 0].astype(cache.stacked.k.dtype)),
+                                v=cache.stacked.v.at[block, rows, slots].set(v[:, 0].astype(cache.stacked.v.dtype)))
+            out = decode_attention(q[:, 0], kv.k[block], kv.v[block], slots + 1)[:, None]  # [B, 1, H, Dh]
+        else:
+            out = ulysses_attention(self.core, q, k, v, segment_ids)  # [B, S, H, Dh]; seq<->heads under sp
+            if cache is not None:
+                kv = AttentionCache(*(c.at[cache.block, :, :s].set(a.astype(c.dtype))
+                                      for c, a in zip(cache.stacked, (k, v))))
+        out = self.o_proj((out * jax.nn.sigmoid(gate)).reshape(b, s, -1))
+        return out if cache is None else (out, kv)

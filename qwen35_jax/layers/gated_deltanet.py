@@ -14,11 +14,10 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from qwen35_kernels.choices import current_choices
 from qwen35_kernels.gated_delta_rule.tiles import delta_rule_tile
 
 from qwen35_jax.config import GDN_SP_MODES, Qwen35Config
-from qwen35_jax.layers.cache import GdnCache
+from qwen35_jax.layers.cache import GdnCache, LayerCache, is_decode_step
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights, check_gdn_arrays, conv_halo
 from qwen35_jax.layers.gdn_decode import gdn_decode_step, prompt_conv_window
 from qwen35_jax.layers.gdn_segment import gdn_segment
@@ -144,41 +143,35 @@ class GatedDeltaNet(nnx.Module):
         self,
         x: jax.Array,  # [B, S, D]
         segment_ids: jax.Array | None = None,  # [B, S] document ids >= 1, 0 = padding
-    ) -> jax.Array:  # [B, S, D]
+        cache: LayerCache | None = None,
+    ) -> jax.Array | tuple[jax.Array, GdnCache]:  # [B, S, D] (and this layer's stacked GdnCache)
+        """The mixer on a sequence (training; under a mesh sequence-parallel) or, with `cache`, on a
+        prompt that starts the cache (right-padded rows: the chunked kernels, and the conv window and
+        state each row leaves) or a decode step (one token per row, continuing from the cache's
+        window and state). The cache is stacked over blocks ([NB, B, ...]); this layer's slot is
+        `cache.block`, written in place."""
         B, S, _ = x.shape
         if segment_ids is None:
             segment_ids = jnp.ones((B, S), jnp.int32)
         elif segment_ids.shape != (B, S):
             raise ValueError(f"segment_ids must be [B, S] = {(B, S)}, got {segment_ids.shape}")
-        tokens, weights = self.mixer_arrays(x)
-        out = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps,
-                               chunk_size=self.config.gdn_chunk(current_choices().platform),
-                               sp_mode=self.config.gdn_sp_mode)  # [B, S, Hv, Dv]
-        return self.out_proj(out.reshape(B, S, self.Hv * self.Dv))
-
-    def prefill(
-        self,
-        x: jax.Array,  # [B, S, D] right-padded prompts
-        segment_ids: jax.Array,  # [B, S] 1 on each row's prompt, 0 on its padding
-        lengths: jax.Array,  # [B] int prompt lengths
-    ) -> tuple[jax.Array, GdnCache]:  # [B, S, D] and each row's cache after its prompt
-        """The layer on whole prompts (the chunked kernels), and the conv window and state they leave."""
-        B, S, _ = x.shape
-        tokens, weights = self.mixer_arrays(x)
-        out, state = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps,
-                                      chunk_size=self.config.gdn_chunk(current_choices().platform),
-                                      return_state=True)
-        cache = GdnCache(conv=prompt_conv_window(tokens, weights, lengths), state=state)
-        return self.out_proj(out.reshape(B, S, self.Hv * self.Dv)), cache
-
-    def decode(self, x: jax.Array, cache: GdnCache, block: int) -> tuple[jax.Array, GdnCache]:
-        """One new token per row: x [B, 1, D] -> out [B, 1, D] and the cache after it; `cache` stacked
-        over blocks ([NB, B, ...]), this layer's at `block` (updated in place)."""
-        tokens, weights = self.mixer_arrays(x, split_weights=False)
-        mine = GdnCache(conv=cache.conv[block], state=cache.state[block])
-        out, mine = gdn_decode_step(tokens, weights, mine, eps=self.config.rms_norm_eps)  # [B, 1, Hv, Dv]
-        cache = GdnCache(conv=cache.conv.at[block].set(mine.conv), state=cache.state.at[block].set(mine.state))
-        return self.out_proj(out.reshape(x.shape[0], 1, self.Hv * self.Dv)), cache
+        decoding = is_decode_step(x, cache)
+        tokens, weights = self.mixer_arrays(x, split_weights=not decoding)
+        if decoding:
+            mine = GdnCache(*(a[cache.block] for a in cache.stacked))
+            out, mine = gdn_decode_step(tokens, weights, mine, eps=self.config.rms_norm_eps)  # [B, 1, Hv, Dv]
+        else:
+            out = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps,
+                                   chunk_size=self.config.gdn_chunk(),
+                                   sp_mode=self.config.gdn_sp_mode, return_state=cache is not None)
+            if cache is not None:  # a prompt: the state after it and the window before each row's end
+                out, state = out
+                lengths = jnp.sum(segment_ids > 0, axis=1, dtype=jnp.int32)  # [B]
+                mine = GdnCache(conv=prompt_conv_window(tokens, weights, lengths), state=state)
+        out = self.out_proj(out.reshape(B, S, self.Hv * self.Dv))
+        if cache is None:
+            return out
+        return out, GdnCache(*(a.at[cache.block].set(m.astype(a.dtype)) for a, m in zip(cache.stacked, mine)))
 
 
 def ulysses_gdn(

@@ -31,7 +31,10 @@ def mrope_axis_of_frequency(config: Qwen35Config) -> np.ndarray:
 
 
 def rope_cos_sin(positions: jax.Array, config: Qwen35Config) -> tuple[jax.Array, jax.Array]:
-    """positions [B, S] or [3, B, S] -> (cos, sin), each [B, S, rotary_dim] float32."""
+    """positions [B, S] or [3, B, S] -> (cos, sin), each [B, S, rotary_dim] float32.
+
+    [B, S] are text positions: under mrope t = h = w, whose rotary is the plain one (every frequency
+    reads the same position), so they need no broadcast to three axes."""
     inv_freq = jnp.asarray(inverse_frequencies(config))  # [R/2]
     if positions.ndim == 2:
         freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, S, R/2]

@@ -34,6 +34,15 @@ ACT_BSV = P(FSDP, SP, None)  # logits [B, S, V]
 HEADS_BSHD = P(FSDP, SP, None, None)  # per-head activations, sequence shards [B, S/sp, H, Dh]
 HEADS_BSH = P(FSDP, SP, None)  # per-head scalars, sequence shards [B, S/sp, H]
 
+
+def rows_spec(ndim: int, row_axis: int = 0) -> P:
+    """The decode layout of an array with rows on `row_axis`: rows split over (fsdp, sp), the rest
+    whole (a decode step has no sequence axis to split)."""
+    spec: list[Any] = [None] * ndim
+    spec[row_axis] = (FSDP, SP)
+    return P(*spec)
+
+
 # Weights smaller than this many elements stay replicated: sharding them costs more than it saves.
 MIN_SHARDED_SIZE = 2**14
 

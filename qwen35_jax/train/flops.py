@@ -43,7 +43,7 @@ def forward_flops_per_token(config: Qwen35Config, seq_len: int) -> dict[str, flo
     # q_proj holds query and output gate; scores q k^T and weighted values over the full row
     attention = 2 * d * (2 * h * dh + 2 * kv * dh) + 2 * h * dh * d + 4 * s * h * dh
     hk, hv, dk, dv, chunk = (c.linear_num_key_heads, c.linear_num_value_heads, c.linear_key_head_dim,
-                             c.linear_value_head_dim, min(c.gdn_chunk(jax.default_backend()), s))
+                             c.linear_value_head_dim, min(c.gdn_chunk(), s))
     projections = 2 * d * (2 * hk * dk + 2 * hv * dv + 2 * hv) + 2 * hv * dv * d  # qkv, z, a, b; out
     # per value head and token: k_beta k^T and q k^T within the chunk (2L Dk each), the unit-triangular
     # solve for [v, k] (L (Dk + Dv)), state reads w S and q S and the write k^T v (2 Dk Dv each),
