@@ -8,6 +8,7 @@ that knows them.
     RUN/events.out.tfevents.*  TensorBoard (written by tensorboardX into RUN itself)
     RUN/loss.png             the loss curves, at the end;  RUN/reward.png: the reward of an online RL run
     RUN/synthetic/           the generated rows of a --synthetic run, so that a resume sees the same rows
+    RUN/kl_reference.json    the checkpoint an online RL run's KL penalty compares against (rl/reference.py)
 
 Other modules take the names from here (the checkpoint loader finds a run's newest checkpoint, the
 generation tool reads a run's config.yaml for its tokenizer and model). Loads nothing but `os`.
@@ -24,6 +25,7 @@ METRICS_FILE = "metrics.jsonl"
 PLOT_FILE = "loss.png"
 REWARD_PLOT_FILE = "reward.png"
 SYNTHETIC_DIR = "synthetic"
+KL_REFERENCE_FILE = "kl_reference.json"
 
 
 def is_run_dir(path: str) -> bool:

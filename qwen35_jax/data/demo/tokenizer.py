@@ -13,6 +13,8 @@ from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+from qwen35_jax.files import write_text_atomically
+
 VOCAB_SIZE = 256
 EOS, IM_START, IM_END, UNK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>"
 SPECIAL_TOKENS = [EOS, IM_START, IM_END, UNK]
@@ -53,7 +55,7 @@ def build_demo_tokenizer(out_dir: str, texts: Iterable[str], vocab_size: int = V
                                   show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     os.makedirs(out_dir, exist_ok=True)
-    tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    write_text_atomically(os.path.join(out_dir, "tokenizer.json"), tokenizer.to_str(pretty=True))  # as .save
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": EOS,
@@ -62,6 +64,5 @@ def build_demo_tokenizer(out_dir: str, texts: Iterable[str], vocab_size: int = V
         "model_max_length": 1 << 20,
         "chat_template": CHAT_TEMPLATE,
     }
-    with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
-        json.dump(config, f, indent=1)
+    write_text_atomically(os.path.join(out_dir, "tokenizer_config.json"), json.dumps(config, indent=1))
     return out_dir
