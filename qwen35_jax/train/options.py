@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import yaml
-from qwen35_kernels.choices import GDN_PRECISIONS
+from qwen35_kernels.choices import ATTENTION_IMPLEMENTATIONS, GDN_PRECISIONS, LOGPROB_BACKENDS
 
 from qwen35_jax.config import GDN_SP_MODES, REMAT_POLICIES, SCAN_LAYERS_FLAGS
 from qwen35_jax.data.packing import LONG_ROW_POLICIES
@@ -31,7 +31,7 @@ RUN_DTYPES = ("float32", "bfloat16")
 # The choices of every option that has a fixed list: the command lines (train.py, logprobs.py,
 # generate.py, import_hf.py, bench_train.py) offer these. Lists are imported from where the concept
 # lives when that module loads without jax (this module must not: scripts/train.py parses its options
-# before jax loads); the kernels' lists and losses.KL_ESTIMATORS are in modules that load jax, and
+# before jax loads); the lm_head modes and losses.KL_ESTIMATORS are in modules that load jax, and
 # rl.advantages.ADVANTAGES is in rl/, which train/ does not import (tests/test_layering.py), so they
 # are restated here and tests/test_train_run.py checks that they agree.
 CHOICES = {
@@ -40,8 +40,9 @@ CHOICES = {
     "kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
     "param_dtype": RUN_DTYPES,
     "compute_dtype": RUN_DTYPES,
-    "attention": ("auto", "xla", "pallas", "cudnn"),
-    "logprob_backend": ("auto", "xla", "pallas", "pallas_xla", "reference"),
+    # pallas_gpu / pallas_tpu are the per-platform names "pallas" resolves to, not flags
+    "attention": tuple(a for a in ATTENTION_IMPLEMENTATIONS if a not in ("pallas_gpu", "pallas_tpu")),
+    "logprob_backend": LOGPROB_BACKENDS,
     "lm_head": ("gather", "vocab_parallel"),
     "gdn_sp_mode": GDN_SP_MODES,
     "gdn_precision": GDN_PRECISIONS,
