@@ -18,35 +18,36 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
 
-def _umask() -> int:
-    umask = os.umask(0)
-    os.umask(umask)
-    return umask
-
-
-def _temporary_prefix(path: str) -> tuple[str, str]:
-    """(directory, name prefix) of a hidden temporary sibling of `path`."""
-    return os.path.dirname(os.path.abspath(path)), f".{os.path.basename(os.path.abspath(path))}."
+def _new_sibling(path: str, create: Callable[[str], Any]) -> tuple[str, Any]:
+    """(name, what `create(name)` returned) for a new hidden sibling of `path`, `.NAME.<random>`.
+    `create` must fail with FileExistsError on a name that is taken. Created by os.open / os.mkdir with
+    the usual modes, the umask applies as to any new file (tempfile's would be 0600 / 0700)."""
+    path = os.path.abspath(path)
+    for _ in range(100):
+        name = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(4)}")
+        try:
+            return name, create(name)
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 @contextlib.contextmanager
 def replaced_atomically(path: str | os.PathLike[str], mode: str = "w", **open_kwargs: Any) -> Iterator[IO[Any]]:
     """A file object (open in `mode`, "w" or "wb") on a temporary sibling of `path`, renamed over
     `path` when the block ends without an error and removed when it raises. The file gets the
-    permissions `open` gives a new file under the umask. The parent directory must exist."""
+    permissions `open` gives a new file. The parent directory must exist."""
     if mode not in ("w", "wb"):
         raise ValueError(f"mode must be 'w' or 'wb', got {mode!r}")
     path = os.fspath(path)
-    directory, prefix = _temporary_prefix(path)
-    fd, tmp = tempfile.mkstemp(prefix=prefix, dir=directory)
+    tmp, fd = _new_sibling(path, lambda name: os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
     try:
-        os.chmod(tmp, 0o666 & ~_umask())  # as `open` would create it, not mkstemp's 0600
         with os.fdopen(fd, mode, **open_kwargs) as f:
             yield f
         os.replace(tmp, path)
@@ -64,15 +65,14 @@ def write_text_atomically(path: str | os.PathLike[str], text: str) -> None:
 
 @contextlib.contextmanager
 def staged_directory(path: str | os.PathLike[str]) -> Iterator[str]:
-    """A new temporary directory beside `path` (permissions as `os.mkdir` under the umask gives, not
-    mkdtemp's 0700), renamed to `path` when the block ends without an error and removed with its
-    contents otherwise. `path` must not exist, or be an empty directory (`os.rename` replaces that)."""
+    """A new temporary directory beside `path` (the permissions `os.mkdir` gives, so other users can
+    read what it becomes), renamed to `path` when the block ends without an error and removed with its
+    contents otherwise. Its parent is created if missing. `path` must not exist, or be an empty
+    directory (`os.rename` replaces that)."""
     path = os.fspath(path)
-    directory, prefix = _temporary_prefix(path)
-    os.makedirs(directory, exist_ok=True)
-    stage = tempfile.mkdtemp(prefix=prefix, dir=directory)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    stage, _ = _new_sibling(path, lambda name: os.mkdir(name, 0o777))
     try:
-        os.chmod(stage, 0o777 & ~_umask())  # mkdtemp's 0700 would hide the directory from other users
         yield stage
         os.rename(stage, path)
     except BaseException:
