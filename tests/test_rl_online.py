@@ -129,6 +129,7 @@ def test_the_kl_reference_is_fixed_when_the_run_starts(tmp_path):
                                          rf"\(its starting point, .*{REFERENCE_FILE}\); resume with --model {sft} "
                                          "or start a new --out$"):
         prepare(dataclasses.replace(options, model=str(other), steps=2), OnlineGRPO())
+    assert f"model: {sft}\n" in (tmp_path / "rl" / "config.yaml").read_text()  # refused before it was rewritten
 
 
 def test_grpo_update_loss_and_lm_head_gradient_match_numpy_float64():

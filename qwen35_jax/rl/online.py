@@ -35,7 +35,7 @@ from qwen35_jax.generation.prompts import (
 )
 from qwen35_jax.parallel.processes import gather_rows
 from qwen35_jax.rl.prompt_stream import PromptStream, load_prompts
-from qwen35_jax.rl.reference import kl_reference
+from qwen35_jax.rl.reference import check_reference, kl_reference
 from qwen35_jax.rl.reward_fn import call_reward, load_reward
 from qwen35_jax.rl.rollout import RolloutOptions, reward_sample, row_length, sample_rollouts
 from qwen35_jax.scoring import score_program
@@ -70,6 +70,7 @@ class OnlineGRPO(Objective):
             parse_stop_token_ids(options.stop_token_ids)
         parse_chat_template_kwargs(options.chat_template_kwargs)
         load_reward(options.reward)  # a bad spec fails before anything is built
+        check_reference(options)
 
     def default_batch_size(self, options: TrainOptions, fsdp: int) -> int:
         return math.lcm(fsdp * options.grad_accum, options.group_size)

@@ -1,5 +1,6 @@
-"""Training: options, the optimizer, the jitted SFT/PPO step, batch streams, and the run loop
-(run directory, checkpoints, metrics, signals) behind scripts/train.py.
+"""Training: options, the optimizer, the jitted SFT/PPO step, batch streams, objectives (SFT and offline
+PPO here; online GRPO in `qwen35_jax.rl`), and the run loop (run directory, checkpoints, metrics,
+signals) behind scripts/train.py.
 
 Names are loaded on first use, so the command line parses options and installs its signal handler
 before jax loads.
@@ -16,6 +17,7 @@ _EXPORTS = {
     "init_opt_state": "optim", "make_optimizer": "optim", "make_schedule": "optim", "opt_state_shardings": "optim",
     "TrainOptions": "options", "parse_options": "options",
     "OBJECTIVES": "step", "StepOptions": "step", "make_eval_step": "step", "make_train_step": "step",
+    "Objective": "objective", "ObjectiveRun": "objective", "OfflineObjective": "offline",
     "train": "loop", "trainer_step": "library",
 }
 __all__ = sorted(_EXPORTS)
