@@ -15,13 +15,13 @@ from qwen35_jax.checkpoint import load_checkpoint, save_checkpoint
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.generation.prompts import PromptEncoder
 from qwen35_jax.model import Qwen35ForCausalLM
-from qwen35_jax.parallel.mesh import make_mesh
 from qwen35_jax.demos.grpo import task_rows
-from qwen35_jax.rl.online import OnlineGRPO, step_seed
-from qwen35_jax.rl.reference import REFERENCE_FILE
-from qwen35_jax.rl.rollout import RolloutOptions, row_length, sample_rollouts
-from qwen35_jax.scoring import score_batches
 from qwen35_jax.objectives import train
+from qwen35_jax.parallel.mesh import make_mesh
+from qwen35_jax.rl.online import OnlineGRPO, step_seed
+from qwen35_jax.rl.rollout import RolloutOptions, row_length, sample_rollouts
+from qwen35_jax.run_layout import KL_REFERENCE_FILE
+from qwen35_jax.scoring import score_batches
 from qwen35_jax.train.loop import prepare
 from qwen35_jax.train.options import TrainOptions
 from qwen35_jax.train.step import StepOptions, _micro_sums, loss_mask_of
@@ -112,7 +112,7 @@ def test_the_kl_reference_is_fixed_when_the_run_starts(tmp_path):
     options = _options(tmp_path, "rl", preset=None, model=str(sft), kl_coef=0.1, stop_token_ids="3", steps=1,
                        save_every=1)
     assert train(options) == 0
-    recorded = json.loads((tmp_path / "rl" / REFERENCE_FILE).read_text())
+    recorded = json.loads((tmp_path / "rl" / KL_REFERENCE_FILE).read_text())
     assert recorded == {"model": str(sft), "checkpoint": str(sft / "checkpoints" / "1")}
 
     save_checkpoint(str(sft / "checkpoints" / "2"), Qwen35ForCausalLM(config, rngs=nnx.Rngs(2)), config)
@@ -126,7 +126,7 @@ def test_the_kl_reference_is_fixed_when_the_run_starts(tmp_path):
     other = tmp_path / "other"
     save_checkpoint(str(other), Qwen35ForCausalLM(config, rngs=nnx.Rngs(3)), config)
     with pytest.raises(ValueError, match=rf"^--model {other}: this run's KL reference is {sft}/checkpoints/1 "
-                                         rf"\(its starting point, .*{REFERENCE_FILE}\); resume with --model {sft} "
+                                         rf"\(its starting point, .*{KL_REFERENCE_FILE}\); resume with --model {sft} "
                                          "or start a new --out$"):
         prepare(dataclasses.replace(options, model=str(other), steps=2), OnlineGRPO())
     assert f"model: {sft}\n" in (tmp_path / "rl" / "config.yaml").read_text()  # refused before it was rewritten

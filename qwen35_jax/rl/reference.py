@@ -20,13 +20,10 @@ import jax.numpy as jnp
 from qwen35_jax.checkpoint import latest_run_checkpoint, resolve_checkpoint
 from qwen35_jax.files import write_text_atomically
 from qwen35_jax.parallel.processes import is_lead_process, sync_processes
-from qwen35_jax.run_layout import is_run_dir
+from qwen35_jax.run_layout import KL_REFERENCE_FILE, is_run_dir
 from qwen35_jax.train.objective import RunSetup
 from qwen35_jax.train.optim import Params
 from qwen35_jax.train.options import TrainOptions
-
-REFERENCE_FILE = "kl_reference.json"
-
 
 def _resolved(model: str) -> str:
     return os.path.abspath(resolve_checkpoint(os.path.abspath(model)))
@@ -35,7 +32,7 @@ def _resolved(model: str) -> str:
 def read_reference(run_dir: str) -> dict[str, Any] | None:
     """RUN/kl_reference.json: {"model": --model as given, "checkpoint": what it resolved to} (None for
     a --preset run), or None when the run has not recorded one."""
-    path = os.path.join(run_dir, REFERENCE_FILE)
+    path = os.path.join(run_dir, KL_REFERENCE_FILE)
     if not os.path.isfile(path):
         return None
     with open(path) as f:
@@ -45,7 +42,7 @@ def read_reference(run_dir: str) -> dict[str, Any] | None:
 def _record(run_dir: str, model: str | None) -> None:
     record = None if model is None else {"model": os.path.abspath(model), "checkpoint": _resolved(model)}
     if is_lead_process():
-        write_text_atomically(os.path.join(run_dir, REFERENCE_FILE), json.dumps(record) + "\n")
+        write_text_atomically(os.path.join(run_dir, KL_REFERENCE_FILE), json.dumps(record) + "\n")
     sync_processes("qwen35_kl_reference_recorded")
 
 
@@ -57,7 +54,7 @@ def check_reference(options: TrainOptions) -> None:
         return
     if not is_run_dir(options.out) or latest_run_checkpoint(options.out) is None:
         return  # the run starts now (again): its reference is recorded then
-    recorded, path = read_reference(options.out), os.path.join(options.out, REFERENCE_FILE)
+    recorded, path = read_reference(options.out), os.path.join(options.out, KL_REFERENCE_FILE)
     if recorded is None:  # a run directory from before the reference was recorded
         return
     if os.path.abspath(options.model) != recorded["model"] and _resolved(options.model) != recorded["checkpoint"]:
