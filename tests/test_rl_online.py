@@ -98,6 +98,15 @@ def test_bad_grpo_options_are_one_line(tmp_path, changes, message):
         train(_options(tmp_path, "x", **changes))
 
 
+def test_the_training_loop_alone_does_not_know_online_grpo(tmp_path):
+    # train/ implements sft and ppo; online GRPO is an objective it is given (qwen35_jax.objectives)
+    from qwen35_jax.train.loop import train as train_with
+    with pytest.raises(ValueError, match=r"^--objective grpo is not one the trainer implements itself: pass its "
+                                         r"Objective \(qwen35_jax.objectives.objective_for"):
+        train_with(_options(tmp_path, "x"))
+    assert not (tmp_path / "x").exists()
+
+
 def _leaves(params) -> list[np.ndarray]:
     return [np.asarray(x) for x in jax.tree.leaves(params)]
 
