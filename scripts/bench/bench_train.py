@@ -13,7 +13,10 @@ with `labels=`, `loss.backward()`, `clip_grad_norm_` and `torch.optim.AdamW`. Ea
 median of --steps steps after one warm-up step (ours compiles in it). Each stack runs every row in a
 child process of its own, ours first, then theirs: in one process each library's spinning CPU
 threads slow the other one down. The ratio is theirs / ours in time, i.e. ours / theirs in tokens
-per second: above 1 means we are faster.
+per second: above 1 means we are faster. Each round also times a plain transformers process
+(`qwen35_bench/plain_transformers.py`: a user's loop, torch and transformers only) on every train
+step beside theirs, and warns when the harness's transformers time is more than --anchor-tolerance
+off it (`qwen35_bench/anchor.py`): the ratios are meant against transformers as its users run it.
 
 --cores adds the sequence mixers alone, forward+backward at S = --core-seq: the GDN core
 (`chunked_gated_delta_rule` vs transformers' `torch_chunk_gated_delta_rule`, H = 8, d = 128) and the
@@ -109,6 +112,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --stack both: time the two stacks' child processes this many times in turn "
                         "(ours, theirs, ours, theirs, ...) and report each row's median over rounds and every "
                         "round's ratio (default 1)")
+    p.add_argument("--anchor-check", choices=["warn", "fail", "off"], default="warn",
+                   help="with --stack both: each round also times a plain transformers process "
+                        "(qwen35_bench/plain_transformers.py: torch and transformers only) on every train step "
+                        "and compares the harness's transformers time with it; outside --anchor-tolerance, warn "
+                        "(default) or exit 3 (fail); off: skip it")
+    p.add_argument("--anchor-tolerance", type=float, default=0.10,
+                   help="largest |harness / plain - 1| of the anchor check, median over rounds (default 0.10)")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
     args = p.parse_args(argv)
     args.scan_layers = SCAN_LAYERS_FLAGS[args.scan_layers]
@@ -123,6 +133,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 0 < args.anchor_tolerance < 1:
+        p.error(f"--anchor-tolerance must be in (0, 1), got {args.anchor_tolerance}")
     if args.rounds > 1 and not (args.stack == "both" and args.run_torch):
         p.error("--rounds > 1 alternates both stacks: it needs --stack both without --skip-torch")
     if args.dtype != "float32" and not args.skip_torch:
@@ -211,21 +223,30 @@ def time_rows(args: argparse.Namespace) -> tuple[list[dict], list[dict] | None]:
     return rows, breakdown
 
 
-def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] | None, dict[str, str | None]]:
-    """Every row timed in child processes, `--stack ours` then `--stack transformers`, `rounds` times
-    over, merged; and each child's GLIBC_TUNABLES. With several rounds a row keeps each round's
+def run_isolated(args: argparse.Namespace, argv: list[str]
+                 ) -> tuple[list[dict], list[dict] | None, dict[str, str | None]]:
+    """Every row timed in child processes, `--stack ours` then `--stack transformers`, `args.rounds`
+    times over, merged; and each child's GLIBC_TUNABLES. With several rounds a row keeps each round's
     ratio and reports the median over rounds: the machine's speed drifts within minutes, and
-    alternating the stacks puts both through the same drift."""
+    alternating the stacks puts both through the same drift. Unless --anchor-check off, each round
+    also times a plain transformers process on every train step (`qwen35_bench.anchor`) right beside
+    the transformers child: after it in rounds 1, 3, ..., before it in rounds 2, 4, ...."""
     import subprocess
     import tempfile
 
+    from qwen35_bench import anchor
     from qwen35_bench.report import merge_rounds
 
-    per_round = []
+    planned = [] if args.cores_only or args.anchor_check == "off" else runs(args)
+    per_round, plain = [], []
     with tempfile.TemporaryDirectory() as tmp:
-        for r in range(rounds):
+        for r in range(args.rounds):
             results = {}
-            for stack in ("ours", "transformers"):
+            for stack in ("ours", "plain", "transformers") if r % 2 else ("ours", "transformers", "plain"):
+                if stack == "plain":
+                    if planned:
+                        plain.append(anchor.run_plain(planned, args.steps, tmp, str(r)))
+                    continue
                 out = os.path.join(tmp, f"{stack}{r}.json")
                 cmd = [sys.executable, os.path.abspath(__file__), *argv, "--stack", stack, "--rounds", "1",
                        "--json", out]
@@ -237,6 +258,7 @@ def run_isolated(argv: list[str], rounds: int) -> tuple[list[dict], list[dict] |
     by_round = [[{**theirs, **ours} for ours, theirs in zip(res["ours"]["runs"], res["transformers"]["runs"])]
                 for res in per_round]
     rows = [merge_rounds(list(row_rounds)) for row_rounds in zip(*by_round)]
+    anchor.attach(rows, by_round, plain)
     tunables = {stack: per_round[0][stack]["glibc_tunables"][stack] for stack in per_round[0]}
     return rows, per_round[0]["ours"]["breakdown"], tunables
 
@@ -245,11 +267,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import jax
 
+    from qwen35_bench.anchor import report as anchor_report
     from qwen35_bench.report import breakdown_table, table
 
     tunables = {"ours" if not args.run_torch else args.stack: os.environ.get("GLIBC_TUNABLES")}
     if args.stack == "both" and args.run_torch:
-        rows, breakdown, tunables = run_isolated(sys.argv[1:] if argv is None else argv, args.rounds)
+        rows, breakdown, tunables = run_isolated(args, sys.argv[1:] if argv is None else argv)
     else:
         chosen = {"gdn_precision": args.gdn_precision, "gdn_chunk_scan": args.gdn_chunk_scan,
                   "gdn_remat": args.gdn_remat}
@@ -267,14 +290,19 @@ def main(argv: list[str] | None = None) -> int:
           f"{load:.1f}; median of {args.steps} steps after a warm-up"
           + (f", median over {args.rounds} rounds of both stacks" if args.rounds > 1 else ""))
     print(table(rows))
+    anchor_lines, anchor_ok = anchor_report(rows, args.anchor_tolerance)
+    for line in anchor_lines:
+        print(line)
+    if not anchor_ok:
+        print("bench_train: the anchor check failed (see above)", file=sys.stderr)
     if breakdown:
         print("\n" + breakdown_table(breakdown))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"runs": rows, "breakdown": breakdown, "load_average_1min": load,
-                       "glibc_tunables": tunables, "xla_flags": os.environ.get("XLA_FLAGS")}, f, indent=1,
-                      default=str)
-    return 0
+                       "glibc_tunables": tunables, "xla_flags": os.environ.get("XLA_FLAGS"),
+                       "anchor_ok": anchor_ok}, f, indent=1, default=str)
+    return 3 if not anchor_ok and args.anchor_check == "fail" else 0
 
 
 if __name__ == "__main__":
