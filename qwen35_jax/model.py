@@ -43,6 +43,7 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=eps, param_dtype=pd)
         self.mlp = SparseMoeBlock(config, rngs=rngs) if config.is_moe else MLP(config, rngs=rngs)
         self.recompute_mlp = config.remat == "mlp"  # the MoE block reads the same setting itself
+        self.sequence_tile = config.kernels.sequence_tile  # tokens per feed-forward tile (None: untiled)
 
     def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
                  cache: LayerCache | None = None) -> jax.Array | tuple[jax.Array, AttentionCache | GdnCache]:
@@ -67,8 +68,8 @@ class DecoderLayer(nnx.Module):
         """x + mlp(post_attention_layernorm(x)) on sequence shards. [B, S, D] -> [B, S, D]"""
         if isinstance(self.mlp, SparseMoeBlock):  # tiles its own tokens inside token_local
             return constrain(x + token_local(self.mlp, self.post_attention_layernorm(x)), ACT_BSD)
-        return constrain(tiled_over_sequence(DecoderLayer.feed_forward, self, x, recompute=self.recompute_mlp),
-                         ACT_BSD)
+        return constrain(tiled_over_sequence(DecoderLayer.feed_forward, self, x, recompute=self.recompute_mlp,
+                                             tile=self.sequence_tile), ACT_BSD)
 
     def feed_forward(self, x: jax.Array) -> jax.Array:
         """x + mlp(post_attention_layernorm(x)): token-local, so it may run tile by tile. [B, S, D] -> [B, S, D]"""

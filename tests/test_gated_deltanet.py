@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from qwen35_kernels.choices import current_choices, kernel_choices
+from qwen35_kernels.choices import KernelChoices, resolved
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
@@ -21,8 +21,9 @@ from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
 B = 2
 
 
-def _pair(seed=0, chunk_size=64):
-    """A float64 torch Qwen3_5GatedDeltaNet with random float32 weights and our module holding the same weights."""
+def _pair(seed=0, chunk_size=64, kernels=KernelChoices()):
+    """A float64 torch Qwen3_5GatedDeltaNet with random float32 weights and our module holding the same
+    weights, running `kernels`."""
     hf = Qwen3_5TextConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
         num_key_value_heads=1, head_dim=16, layer_types=["linear_attention"], linear_conv_kernel_dim=4,
@@ -38,7 +39,8 @@ def _pair(seed=0, chunk_size=64):
         ref.norm.weight.copy_(1 + 0.1 * torch.randn(8))
     config = Qwen35Config.preset("tiny").replace(
         hidden_size=32, linear_conv_kernel_dim=4, linear_key_head_dim=8, linear_value_head_dim=8,
-        linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6, gdn_chunk_size=chunk_size)
+        linear_num_key_heads=2, linear_num_value_heads=4, rms_norm_eps=1e-6, gdn_chunk_size=chunk_size,
+        kernels=kernels)
     ours = GatedDeltaNet(config, rngs=nnx.Rngs(0))
     t = lambda p: jnp.asarray(p.detach().numpy())  # noqa: E731
     for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj"):
@@ -96,7 +98,7 @@ def test_matches_transformers(S):
     ("associative", "states"),  # the mixer recomputed around kept chunk states, with the XLA scan
 ])
 def test_gradients_match_torch_autograd(scan, remat):
-    ref, ours = _pair(seed=2, chunk_size=16)
+    ref, ours = _pair(seed=2, chunk_size=16, kernels=KernelChoices(gdn_chunk_scan=scan, gdn_remat=remat))
     S = 40
     x = _x(S, seed=3)
     w = np.random.default_rng(4).normal(size=(B, S, 32)).astype(np.float32)
@@ -115,8 +117,7 @@ def test_gradients_match_torch_autograd(scan, remat):
     def loss(p):
         return jnp.sum(nnx.merge(graphdef, p)(jnp.asarray(x)) * w)
 
-    with kernel_choices(gdn_chunk_scan=scan), kernel_choices(gdn_remat=remat):
-        grads = jax.jit(jax.grad(loss))(params)
+    grads = jax.jit(jax.grad(loss))(params)
     got = {
         "A_log": grads["A_log"][...],
         "dt_bias": grads["dt_bias"][...],
@@ -188,18 +189,17 @@ def test_states_remat_keeps_inputs_chunk_states_and_rule_output_only():
     args = (rnd(B_, S, hk, d), rnd(B_, S, hk, d), rnd(B_, S, hv, d), rnd(B_, S, hv, d), rnd(B_, S, hv),
             rnd(B_, S, hv), rnd(4, hk, d), rnd(4, hk, d), rnd(4, hv, d), rnd(hv), rnd(hv), rnd(d))
 
-    def loss(*a):
+    def loss(*a, choices=None):
         return jnp.sum(gdn_core(GdnTokens(*a[:6]), GdnWeights(*a[6:]), jnp.ones((B_, S), jnp.int32), eps=1e-6,
-                                chunk_size=16))
+                                chunk_size=16, choices=choices))
 
     kept, checkpoints = {}, {}
     for remat in ("none", "states"):
-        with kernel_choices(gdn_chunk_scan="pallas"), kernel_choices(gdn_remat=remat):
-            assert current_choices().gdn_remat == remat
-            _, backward = jax.vjp(loss, *args)
-            kept[remat] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
-            # a new function each time: make_jaxpr caches traces by function, and the setting is read when traced
-            checkpoints[remat] = _count_checkpoints(jax.make_jaxpr(lambda *a: loss(*a))(*args).jaxpr)
+        choices = KernelChoices(gdn_chunk_scan="pallas", gdn_remat=remat)
+        assert resolved(choices).gdn_remat == remat
+        _, backward = jax.vjp(lambda *a: loss(*a, choices=choices), *args)
+        kept[remat] = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(backward))
+        checkpoints[remat] = _count_checkpoints(jax.make_jaxpr(lambda *a: loss(*a, choices=choices))(*args).jaxpr)
     # "none": the conv of q, k and v checkpointed each; "states": the mixer's one checkpoint, none inside it
     # (a nested one would run the conv a third time in the backward)
     assert checkpoints == {"none": 3, "states": 1}, checkpoints
@@ -209,9 +209,8 @@ def test_states_remat_keeps_inputs_chunk_states_and_rule_output_only():
     kernels = set(re.findall(r'op_name="[^"]*?(gdn_chunk_(?:states|outputs)\w*)', text))
     assert kernels == {"gdn_chunk_states_reverse", "gdn_chunk_outputs_backward"}, kernels
     assert kept["states"] * 3 < kept["none"], kept
-    with kernel_choices(gdn_chunk_scan="pallas"):
-        assert current_choices().gdn_remat == "states"  # "auto"
-    assert current_choices().gdn_remat == "none"  # "auto" with the CPU's sequential scan
+    assert resolved(KernelChoices(gdn_chunk_scan="pallas")).gdn_remat == "states"  # "auto"
+    assert resolved(None).gdn_remat == "none"  # "auto" with the CPU's sequential scan
 
 
 def _count_checkpoints(jaxpr) -> int:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
-from qwen35_kernels.choices import kernel_choices
+from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.config import REMAT_POLICIES, Qwen35Config
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
@@ -142,10 +142,9 @@ def test_tiled_feed_forward_is_recomputed_once():
     def jaxpr(recompute: bool, tile: int | None) -> str:
         def loss(state, x):
             y = tiled_over_sequence(lambda layer, x: jnp.tanh(layer(x)), nnx.merge(graphdef, state), x,
-                                    recompute=recompute)
+                                    recompute=recompute, tile=tile)
             return jnp.sum(y)
-        with kernel_choices(sequence_tile=tile):
-            return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x))
+        return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(state, x))
 
     assert jaxpr(False, None).count("remat") == 0 and jaxpr(True, None).count("remat") > 0
     assert jaxpr(True, 8) == jaxpr(False, 8)
@@ -185,9 +184,8 @@ def test_tiled_delta_rule_equals_untiled():
     q, k, v, g, beta, seg, init = delta_rule_inputs(2, 57)
 
     def run(tile, q, k, v, g, beta, init):
-        with kernel_choices(sequence_tile=tile):
-            out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=init,
-                                                  chunk_size=4)
+        out, state = chunked_gated_delta_rule(q, k, v, g, beta, segment_ids=seg, initial_state=init,
+                                              chunk_size=4, choices=KernelChoices(sequence_tile=tile))
         return out, state
 
     def loss(tile):
@@ -219,8 +217,8 @@ def test_tiled_gdn_core_equals_untiled(scan):
     args = tuple(jnp.asarray(rng.normal(size=sh).astype(np.float32)) for sh in shapes)
 
     def run(tile, *xs):
-        with kernel_choices(sequence_tile=tile), kernel_choices(gdn_chunk_scan=scan):
-            return gdn_core(GdnTokens(*xs[:6]), GdnWeights(*xs[6:]), seg, eps=1e-6, chunk_size=4)
+        return gdn_core(GdnTokens(*xs[:6]), GdnWeights(*xs[6:]), seg, eps=1e-6, chunk_size=4,
+                        choices=KernelChoices(sequence_tile=tile, gdn_chunk_scan=scan))
 
     def loss(tile):
         return lambda *xs: jnp.sum(jnp.sin(run(tile, *xs)))
@@ -244,18 +242,15 @@ def test_sequence_tiled_model_equals_untiled(moe, layout, gdn_mode):
     tokens, seg = batch(2, 61)
     mesh = None if layout is None else make_mesh(layout, devices=jax.devices()[:8 if "2" in layout else 4])
     config = tiny(moe, blocks=1, remat="layer", gdn_sp_mode=gdn_mode)
-    with kernel_choices(sequence_tile=None):
-        want = value_and_grads(config, tokens, seg, mesh)
-    with kernel_choices(sequence_tile=4):
-        got = value_and_grads(config, tokens, seg, mesh)
+    want = value_and_grads(config.replace(kernels=config.kernels.replace(sequence_tile=None)), tokens, seg, mesh)
+    got = value_and_grads(config.replace(kernels=config.kernels.replace(sequence_tile=4)), tokens, seg, mesh)
     assert_close(got[0], want[0], "hidden")
     assert_trees_close(got[1], want[1])
 
 
 def test_sequence_tile_rejects_negative():
     with pytest.raises(ValueError, match="sequence tile must be >= 0"):
-        with kernel_choices(sequence_tile=-1):
-            pass
+        KernelChoices(sequence_tile=-1)
 
 
 # ---------------------------------------------------------------------------- memory reader and search
@@ -390,8 +385,8 @@ def test_tiled_backward_holds_each_layers_buffers_only_during_its_own_backward()
         step = jax.jit(jax.value_and_grad(functools.partial(loss, tiled=tiled)), compiler_options=compiler_options())
         return step.lower(states, x).compile()
 
-    with kernel_choices(sequence_tile=1024):
-        ours, autodiff = compiled(functools.partial(tiled_over_sequence, layer_fn)), compiled(autodiff_tiles)
+    ours = compiled(functools.partial(tiled_over_sequence, layer_fn, tile=1024))
+    autodiff = compiled(autodiff_tiles)
     temp = {name: c.memory_analysis().temp_size_in_bytes for name, c in (("ours", ours), ("autodiff", autodiff))}
     assert temp["ours"] < 0.5 * temp["autodiff"], temp  # measured 12.8 against 44.0 MiB
     with jax.enable_x64(True):  # the untiled stack in float64

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from qwen35_kernels.attention import attention_core
-from qwen35_kernels.choices import kernel_choices
+from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.layers.gated_deltanet import ulysses_gdn
 from qwen35_jax.layers.gdn_arrays import GdnTokens, GdnWeights
@@ -221,8 +221,8 @@ def test_gdn_state_passing_matches(layout, key_heads, scan, tile):
 
     def sharded_with(tile):
         def sharded(*a):
-            with kernel_choices(gdn_chunk_scan=scan, sequence_tile=tile):
-                return sharded_gdn_core(*a, seg, **static, sp_mode="state_passing")
+            return sharded_gdn_core(*a, seg, **static, sp_mode="state_passing",
+                                    choices=KernelChoices(gdn_chunk_scan=scan, sequence_tile=tile))
         return sharded
 
     sharded = sharded_with(tile)

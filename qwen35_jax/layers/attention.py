@@ -32,7 +32,7 @@ class Attention(nnx.Module):
     def core(self, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array) -> jax.Array:
         """The attention kernel of the config's kernel choices on one device's heads:
         q [B, S, H, Dh], k/v [B, S, K, Dh], segment_ids [B, S] -> [B, S, H, Dh]."""
-        return attention_core(q, k, v, segment_ids)
+        return attention_core(q, k, v, segment_ids, choices=self.config.kernels)
 
     def project(self, x: jax.Array, cos: jax.Array, sin: jax.Array
                 ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:

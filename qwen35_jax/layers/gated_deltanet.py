@@ -14,6 +14,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from qwen35_kernels.choices import KernelChoices, resolved
 from qwen35_kernels.gated_delta_rule.tiles import delta_rule_tile
 
 from qwen35_jax.config import GDN_SP_MODES, Qwen35Config
@@ -37,24 +38,27 @@ def gdn_core(
     eps: float,
     chunk_size: int,
     return_state: bool = False,
+    choices: KernelChoices | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, S, Hv, Dv] in q.dtype (and the final state)
     """Per-head Gated DeltaNet mixer: conv1d + SiLU, L2-norm, gated delta rule, gated RMSNorm.
 
     The conv window and the recurrent state restart at every document start; padding tokens are
     zeroed before the conv, leave the state untouched and output zeros. Sequences longer than the
     delta rule's tile (the kernel choices' `sequence_tile`) run tile by tile (`gdn_tiling.tiled_gdn_core`).
-    `return_state`: also the delta-rule state after the last token, [B, Hv, Dk, Dv] float32.
+    `return_state`: also the delta-rule state after the last token, [B, Hv, Dk, Dv] float32. The
+    kernels are `choices`' (None: the defaults for jax's backend).
     """
     check_gdn_arrays(tokens, weights, "gdn_core")
     B, S = tokens.q.shape[:2]
-    tile = delta_rule_tile(chunk_size)
+    choices = resolved(choices)
+    tile = delta_rule_tile(chunk_size, choices)
     if tile is not None and S > tile:  # long sequences: the whole mixer tile by tile
         if segment_ids is None:
             segment_ids = jnp.ones((B, S), jnp.int32)
-        segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size)
+        segment = functools.partial(gdn_segment, eps=eps, chunk_size=chunk_size, choices=choices)
         return tiled_gdn_core(segment, tokens, weights, segment_ids, tile=tile, halo=conv_halo(weights),
                               return_state=return_state)
-    out, state = gdn_segment(tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size)
+    out, state = gdn_segment(tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size, choices=choices)
     return (out, state) if return_state else out
 
 
@@ -67,19 +71,22 @@ def sharded_gdn_core(
     chunk_size: int,
     sp_mode: str = "all_to_all",
     return_state: bool = False,
+    choices: KernelChoices | None = None,
 ) -> jax.Array | tuple[jax.Array, jax.Array]:  # [B, S/sp, Hv, Dv] (and the final state [B, Hv, Dk, Dv])
     """`gdn_core` under the context mesh's sequence parallelism: the seq <-> heads all-to-all around
     it (`ulysses_gdn`, sp_mode "all_to_all") or states passed between sequence shards
     (`gdn_state_passing`, "state_passing"). Without a multi-device mesh `gdn_core` itself; at sp = 1
     on one, `gdn_core` on each device's rows. `return_state` (prefill) always takes the all-to-all,
-    where each device ends holding the final state of its own heads."""
+    where each device ends holding the final state of its own heads. The kernels are `choices`' (None:
+    the defaults for jax's backend)."""
     if sp_mode not in GDN_SP_MODES:
         raise ValueError(f"GDN sequence-parallel mode {sp_mode!r} is not one of {GDN_SP_MODES}")
     mesh = active_sp_mesh()
     if mesh is not None and sp_mode == "state_passing" and not return_state:
-        return gdn_state_passing(tokens, weights, segment_ids, mesh=mesh, eps=eps, chunk_size=chunk_size)
+        return gdn_state_passing(tokens, weights, segment_ids, mesh=mesh, eps=eps, chunk_size=chunk_size,
+                                 choices=choices)
     return ulysses_gdn(gdn_core, tokens, weights, segment_ids, eps=eps, chunk_size=chunk_size,
-                       return_state=return_state)
+                       return_state=return_state, choices=choices)
 
 
 class DepthwiseConvKernel(nnx.Module):
@@ -159,11 +166,13 @@ class GatedDeltaNet(nnx.Module):
         tokens, weights = self.mixer_arrays(x, split_weights=not decoding)
         if decoding:
             mine = GdnCache(*(a[cache.block] for a in cache.stacked))
-            out, mine = gdn_decode_step(tokens, weights, mine, eps=self.config.rms_norm_eps)  # [B, 1, Hv, Dv]
+            out, mine = gdn_decode_step(tokens, weights, mine, eps=self.config.rms_norm_eps,
+                                        choices=self.config.kernels)  # [B, 1, Hv, Dv]
         else:
             out = sharded_gdn_core(tokens, weights, segment_ids, eps=self.config.rms_norm_eps,
                                    chunk_size=self.config.gdn_chunk(),
-                                   sp_mode=self.config.gdn_sp_mode, return_state=cache is not None)
+                                   sp_mode=self.config.gdn_sp_mode, return_state=cache is not None,
+                                   choices=self.config.kernels)
             if cache is not None:  # a prompt: the state after it and the window before each row's end
                 out, state = out
                 lengths = jnp.sum(segment_ids > 0, axis=1, dtype=jnp.int32)  # [B]
