@@ -359,7 +359,7 @@ def test_gdn_bf16_matmuls_follow_the_float32_loss_curve(straight_run, tmp_path, 
 def test_kernel_choices_match_the_kernels_lists():
     # The command lines (train.py, logprobs.py, bench_train.py) offer CHOICES, a jax-free table: it must
     # name exactly the backends the kernels accept, no more (a dead flag) and no fewer (an unreachable one).
-    from qwen35_kernels.attention.pallas import IMPLEMENTATIONS
+    from qwen35_kernels.attention import IMPLEMENTATIONS
     from qwen35_kernels.logprob_entropy import BACKENDS
 
     from qwen35_jax.train.options import CHOICES

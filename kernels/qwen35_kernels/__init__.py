@@ -21,7 +21,6 @@ from typing import Any
 _EXPORTS = {
     "attention_core": "attention", "decode_attention": "attention",
     "KernelChoices": "choices", "resolved": "choices",
-    "current_choices": "choices", "kernel_choices": "choices",  # TEMPORARY (issue 43)
     "chunk_gated_delta_rule": "gated_delta_rule", "fused_recurrent_gated_delta_rule": "gated_delta_rule",
     "causal_conv1d_silu": "gdn_inputs", "causal_conv1d_update": "gdn_inputs", "l2_normalize": "gdn_inputs",
     **{name: "logprob_entropy" for name in ("BACKENDS", "MODES", "linear_logprob_entropy",

@@ -23,10 +23,7 @@ program of a GPU or TPU that is not there by naming it; otherwise the backend ja
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import dataclasses
-from collections.abc import Iterator
 from typing import Any
 
 ATTENTION_IMPLEMENTATIONS = ("auto", "xla", "pallas", "pallas_gpu", "pallas_tpu", "cudnn")
@@ -129,59 +126,13 @@ class KernelChoices:
 
 def resolved(choices: KernelChoices | None = None) -> KernelChoices:
     """`choices` resolved (`KernelChoices.resolve`); None: the defaults for jax's backend."""
-    if choices is None:
-        return _compat_default().resolve()  # TEMPORARY (issue 43): KernelChoices().resolve()
-    return choices.resolve()
+    return (KernelChoices() if choices is None else choices).resolve()
 
 
 def overridden(choices: KernelChoices | None, **changes: Any) -> KernelChoices:
     """`choices` (None: the defaults) with the per-call overrides among `changes` that are not None
     made, resolved: what an op runs when its caller names one choice (`precision=`, `chunk_scan=`)."""
     changes = {name: value for name, value in changes.items() if value is not None}
-    base = _compat_default() if choices is None else choices  # TEMPORARY (issue 43): KernelChoices()
+    base = KernelChoices() if choices is None else choices
     return base.replace(**changes).resolve() if changes else base.resolve()
 
-
-# ---- TEMPORARY (issue 43): until the call sites outside the kernels pass their choices ----
-# `traced` blocks still set a context that `resolved(None)` reads, so code that does not pass choices
-# yet keeps its behaviour. Removed once model.py, attention.py, gated_deltanet.py, losses.py,
-# scoring.py, train/step.py and generation/programs.py pass `config.kernels`.
-_active: contextvars.ContextVar[tuple[KernelChoices, KernelChoices] | None] = contextvars.ContextVar(
-    "kernel_choices", default=None)
-
-
-def _compat_default() -> KernelChoices:
-    active = _active.get()
-    if active is None:
-        return KernelChoices()
-    return active[0] if active[0].platform else active[0].replace(platform=active[1].platform)
-
-
-@contextlib.contextmanager
-def _traced(self: KernelChoices) -> Iterator[KernelChoices]:
-    resolved_value = self.resolve()
-    token = _active.set((self, resolved_value))
-    try:
-        yield resolved_value
-    finally:
-        _active.reset(token)
-
-
-KernelChoices.traced = _traced  # type: ignore[attr-defined]
-
-
-def current_choices() -> KernelChoices:
-    return resolved(None)
-
-
-def requested_choices() -> KernelChoices:
-    active = _active.get()
-    return KernelChoices() if active is None else active[0]
-
-
-def choices_with(**changes: Any) -> KernelChoices:
-    return overridden(None, **changes)
-
-
-def kernel_choices(**changes: Any) -> contextlib.AbstractContextManager[KernelChoices]:
-    return requested_choices().replace(**changes).traced()  # type: ignore[attr-defined]

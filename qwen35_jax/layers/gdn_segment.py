@@ -25,7 +25,7 @@ def gdn_segment(
     *,
     eps: float,
     chunk_size: int,
-    choices: KernelChoices | None = None,  # TEMPORARY default (issue 43): until gated_deltanet.py passes it
+    choices: KernelChoices | None,
     halo: tuple[jax.Array, ...] | None = None,  # raw q, k, v [B, h, H, d] and ids [B, h] of the h tokens before
     initial_state: jax.Array | None = None,  # [B, Hv, Dk, Dv] the delta-rule state entering the segment
 ) -> tuple[jax.Array, jax.Array]:  # [B, T, Hv, Dv] in q.dtype, final state [B, Hv, Dk, Dv] float32

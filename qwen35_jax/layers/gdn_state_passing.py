@@ -187,7 +187,7 @@ def gdn_state_passing(
     mesh: jax.sharding.AbstractMesh,
     eps: float,
     chunk_size: int,
-    choices: KernelChoices | None = None,  # TEMPORARY default (issue 43): until gated_deltanet.py passes it
+    choices: KernelChoices | None,
 ) -> jax.Array:  # [B, S/sp, Hv, Dv]
     """The gated DeltaNet mixer on sequence shards with state passing (see the module docstring), by
     the kernels of `choices` (None: the defaults for jax's backend)."""

@@ -22,11 +22,9 @@ from qwen35_kernels.gated_delta_rule.tiles import zeros_after
 
 from qwen35_jax.parallel.mesh import FSDP, SP, auto_mesh, constrain, mesh_axis_size
 
-_UNSET: Any = object()  # TEMPORARY (issue 43)
-
 
 def tiled_over_sequence(fn: Callable[[Any, jax.Array], jax.Array], module: nnx.Module,
-                        x: jax.Array, *, recompute: bool = False, tile: int | None = _UNSET
+                        x: jax.Array, *, recompute: bool = False, tile: int | None
                         ) -> jax.Array:  # [B, S, D] -> [B, S, D]
     """`fn(module, x)` tile by tile along S, `tile` tokens at a time (None: untiled; the kernel
     choices' `sequence_tile`); under a mesh each device tiles its own [B, S/sp, D] shard.
@@ -35,10 +33,6 @@ def tiled_over_sequence(fn: Callable[[Any, jax.Array], jax.Array], module: nnx.M
     the shape. Each tile's forward is rematerialised in the backward; only the tiles' inputs are kept.
     `recompute`: rematerialise `fn` also where the sequence fits one tile (remat "mlp"), keeping x only.
     """
-    if tile is _UNSET:  # TEMPORARY (issue 43): until model.py passes its tile
-        from qwen35_kernels.choices import resolved
-
-        tile = resolved(None).sequence_tile
     b, s, d = x.shape
     mesh = auto_mesh()
     sp = mesh_axis_size(mesh, SP)

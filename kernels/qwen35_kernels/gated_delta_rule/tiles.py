@@ -103,7 +103,7 @@ def _tile_scan_backward(one: TileStep, saved: tuple[Any, ...], cts: tuple[jax.Ar
 _tile_scan.defvjp(_tile_scan_forward, _tile_scan_backward)
 
 
-def delta_rule_tile(chunk_size: int, choices: KernelChoices | None = None) -> int | None:  # TEMPORARY default
+def delta_rule_tile(chunk_size: int, choices: KernelChoices | None) -> int | None:
     """The delta rule's tile: the `choices`' `sequence_tile` (None: the defaults') rounded down to whole
     chunks (None: untiled)."""
     tile = resolved(choices).sequence_tile
