@@ -9,8 +9,8 @@ edit code to get going.
 
 from __future__ import annotations
 
-import jax
-from qwen35_kernels.attention.pallas import resolve_implementation
+from qwen35_kernels.attention import resolve_implementation
+from qwen35_kernels.choices import KernelChoices
 from qwen35_kernels.logprob_entropy.api import resolve_backend
 
 from qwen35_jax.config import Qwen35Config
@@ -32,11 +32,13 @@ def check_kernel_choices(attention: str, compute_dtype: str, flag: str = "--comp
                          f"got {compute_dtype}")
 
 
-def explain_compile_failure(err: Exception, *, attention: str, logprob_backend: str) -> str | None:
+def explain_compile_failure(err: Exception, *, attention: str, logprob_backend: str,
+                            kernels: KernelChoices = KernelChoices()) -> str | None:
     """A one-line message naming the fallback flags, when a Pallas or cuDNN kernel may have caused
     `err` (never on CPU, where every choice but cuDNN resolves to XLA and cuDNN is refused up front);
-    None when no fallback applies. cuDNN attention falls back to the default (Triton) kernel."""
-    if jax.default_backend() == "cpu" or isinstance(err, ValueError):
+    None when no fallback applies. cuDNN attention falls back to the default (Triton) kernel.
+    `kernels`: the run's kernel choices, whose platform is the one the step ran on."""
+    if kernels.resolve().platform == "cpu" or isinstance(err, ValueError):
         return None
     fallbacks = []
     if attention == "cudnn":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from qwen35_kernels import linear_logprob_entropy
+from qwen35_kernels.choices import KernelChoices
 
 AGGREGATIONS = ("token_mean", "seq_mean")
 
@@ -20,17 +21,20 @@ def token_log_probs(
     labels: jax.Array,  # [B, S] int, < 0 = ignored
     *,
     temperature: float = 1.0,
-    backend: str = "auto",
+    backend: str | None = None,
+    choices: KernelChoices | None = None,
 ) -> tuple[jax.Array, jax.Array]:  # (log_probs [B, S] float32, entropy [B, S] float32)
-    """Fused per-token log p(label) and entropy for a batch (flattens [B, S] to T and back)."""
+    """Fused per-token log p(label) and entropy for a batch (flattens [B, S] to T and back); `backend`
+    (None: the `choices`' log-prob backend) and `choices` (a model's `config.kernels`) as
+    `qwen35_kernels.linear_logprob_entropy` takes them."""
     if hidden.ndim != 3 or labels.shape != hidden.shape[:2]:
         raise ValueError(
             f"hidden must be [B, S, D] and labels [B, S], got {tuple(hidden.shape)} and {tuple(labels.shape)}"
         )
     b, s, d = hidden.shape
     lp, ent = linear_logprob_entropy(
-        hidden.reshape(b * s, d), weight, labels.reshape(b * s), temperature=temperature, backend=backend
-    )
+        hidden.reshape(b * s, d), weight, labels.reshape(b * s), temperature=temperature, backend=backend,
+        choices=choices)
     return lp.reshape(b, s), ent.reshape(b, s)
 
 

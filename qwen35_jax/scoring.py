@@ -55,6 +55,7 @@ def score_tokens(
 
     Uses the context mesh (`jax.set_mesh`) when there is one. Call under `nnx.jit`.
     """
+    choices = model.config.kernels  # the fused kernel's backend and blocks: the model's kernel choices
     hidden = model(tokens, segment_ids=segment_ids)  # [B, S, D]
     labels = next_token_labels(tokens, segment_ids)  # [B, S], global shift
     weight = model.lm_head_weight().astype(hidden.dtype)  # [D, V]: the matmul in the compute dtype, as logits()
@@ -64,7 +65,7 @@ def score_tokens(
         b, s, d = hidden.shape
         log_probs, entropy = linear_logprob_entropy(
             hidden.reshape(b * s, d), weight, labels.reshape(b * s),
-            temperature=temperature, backend=backend)
+            temperature=temperature, backend=backend, choices=choices)
         log_probs, entropy = log_probs.reshape(b, s), entropy.reshape(b, s)
     else:
         vocab_split = weight.shape[1] % n == 0
@@ -80,10 +81,10 @@ def score_tokens(
             if vocab_split:
                 lp, ent = sharded_linear_logprob_entropy(
                     h.reshape(bl * sl, d), w, lab.reshape(bl * sl), mode=mode,
-                    axis_names=(FSDP, SP), temperature=temperature, backend=backend)
+                    axis_names=(FSDP, SP), temperature=temperature, backend=backend, choices=choices)
             else:
                 lp, ent = linear_logprob_entropy(h.reshape(bl * sl, d), w, lab.reshape(bl * sl),
-                                                 temperature=temperature, backend=backend)
+                                                 temperature=temperature, backend=backend, choices=choices)
             return lp.reshape(bl, sl), ent.reshape(bl, sl)
 
         log_probs, entropy = jax.shard_map(
@@ -111,14 +112,14 @@ class ScoreOptions:
 
 @functools.lru_cache(maxsize=16)
 def score_program(graphdef: nnx.GraphDef, kernels: KernelChoices, scoring: ScoreOptions) -> Any:
-    """`score_tokens` jitted for one model graph, traced under its config's kernel choices:
+    """`score_tokens` jitted for one model graph (whose config's kernel choices it runs; `kernels`, the
+    same choices, names the platform whose compiler options it takes):
     (state, tokens [B, S], segment_ids [B, S]) -> (log_probs, entropy) [B, S]. Kept, so that scoring
     again (every step of an online RL run) compiles nothing new for the same shapes."""
 
     def score(state: nnx.State, tok: jax.Array, seg: jax.Array) -> tuple[jax.Array, jax.Array]:
-        with kernels.traced():
-            return score_tokens(nnx.merge(graphdef, state), tok, seg, temperature=scoring.temperature,
-                                backend=scoring.backend, lm_head_mode=scoring.lm_head_mode)
+        return score_tokens(nnx.merge(graphdef, state), tok, seg, temperature=scoring.temperature,
+                            backend=scoring.backend, lm_head_mode=scoring.lm_head_mode)
 
     # the train step's XLA options
     return jax.jit(score, compiler_options=compiler_options(kernels.resolve().platform))
@@ -137,7 +138,7 @@ def score_batches(
     scoring: ScoreOptions | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:  # (log_probs [B, S] float32, entropy [B, S] float32)
     """Score a host array in row batches; rows and positions are padded to fit the mesh and stripped.
-    Traced under the model config's kernel choices, as the train step is. `scoring` (a training
+    It runs the model config's kernel choices, as the train step does. `scoring` (a training
     run's `StepOptions.scoring`), when given, replaces temperature, backend and lm_head_mode."""
     n_rows, seq = tokens.shape
     if segment_ids is None:

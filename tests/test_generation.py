@@ -9,14 +9,13 @@ import numpy as np
 import pytest
 import torch
 from flax import nnx
-from qwen35_kernels.choices import kernel_choices
 
 from float64_reference import torch_float64
 from model_hf_copy import build_hf, load_hf_weights
 from qwen35_jax.config import Qwen35Config, hybrid_layer_types
 from qwen35_jax.generation import cache_bytes, generate
 from qwen35_jax.generation.forward import decode_step, prefill
-from qwen35_jax.model import Qwen35ForCausalLM
+from qwen35_jax.model import Qwen35ForCausalLM, with_config
 from qwen35_jax.parallel.mesh import shard_model
 
 PROMPT_LENGTHS = (1, 3, 4, 63, 64, 65)  # around the conv window (Kc - 1 = 3) and the GDN chunk (64)
@@ -63,8 +62,8 @@ def test_decode_logits_equal_the_full_forward(moe, scan, tile):
         _, later = jax.lax.scan(one, cache, cont.T)  # [STEPS, B, V]
         return jnp.concatenate([model.logits(hidden)[:, None], jnp.moveaxis(later, 0, 1)], axis=1)
 
-    with kernel_choices(sequence_tile=tile):
-        got = np.asarray(steps(model, jnp.asarray(prompts), jnp.asarray(lengths), jnp.asarray(cont)))
+    tiled = with_config(model, cfg.replace(kernels=cfg.kernels.replace(sequence_tile=tile)))
+    got = np.asarray(steps(tiled, jnp.asarray(prompts), jnp.asarray(lengths), jnp.asarray(cont)))
     seq = np.where(np.arange(s + STEPS)[None] < (lengths + STEPS)[:, None], full, 0)
     seg = (np.arange(s + STEPS)[None] < (lengths + STEPS)[:, None]).astype(np.int32)
     want_all = np.asarray(nnx.jit(lambda m, t, g: m.logits(m(t, segment_ids=g)))(model, jnp.asarray(seq),

@@ -5,7 +5,7 @@
   `forward.decode_step` on it, until every row has stopped or `max_new_tokens` tokens are out. No
   host round trip per token and never more than [B, V] logits at once.
 
-Both trace under the model config's kernel choices, as the train step does. Programs are kept per
+Both run the model config's kernel choices, as the train step does. Programs are kept per
 (graph, kernels, options, mesh), so generating again (an RL step) compiles nothing new for the
 same shapes.
 """
@@ -45,9 +45,8 @@ def programs(graphdef: Any, options: SamplingOptions, max_new_tokens: int, mesh:
 
     def prefill_program(state: nnx.State, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, HybridCache]:
         model = nnx.merge(graphdef, state)
-        with model.config.kernels.traced():
-            hidden, cache = prefill(model, tokens, lengths, tokens.shape[1] + max_new_tokens - 1)
-            return constrain(model.logits(hidden), rows_spec(2)), cache
+        hidden, cache = prefill(model, tokens, lengths, tokens.shape[1] + max_new_tokens - 1)
+        return constrain(model.logits(hidden), rows_spec(2)), cache
 
     def decode_program(state: nnx.State, logits: jax.Array, cache: HybridCache, rows: jax.Array,
                        samples: jax.Array, active: jax.Array, stop_ids: jax.Array, seed: jax.Array
@@ -59,9 +58,8 @@ def programs(graphdef: Any, options: SamplingOptions, max_new_tokens: int, mesh:
             # the parameters come in as operands of the loop: nnx refuses modules whose arrays belong
             # to an outer trace
             model = nnx.merge(graphdef, state)
-            with model.config.kernels.traced():
-                hidden, cache = decode_step(model, token, cache, grows)
-                return constrain(model.logits(hidden), rows_spec(2)), cache
+            hidden, cache = decode_step(model, token, cache, grows)
+            return constrain(model.logits(hidden), rows_spec(2)), cache
 
         def record(step: jax.Array, logits: jax.Array, done: jax.Array, outputs: tuple[jax.Array, ...]
                    ) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
@@ -97,7 +95,7 @@ def programs(graphdef: Any, options: SamplingOptions, max_new_tokens: int, mesh:
 
     # XLA's default options, not the train step's (`xla_options.py`): what made XLA:CPU's YNNPACK
     # fusions slow there were the backward pass's reductions; without a backward, prefill and the
-    # decode loop run 25-35% faster with them (docs/lab_log.md, 2026-12-07).
+    # decode loop run faster with them (docs/lab_log.md).
     return jax.jit(prefill_program), jax.jit(decode_program)
 
 

@@ -223,8 +223,8 @@ def _one_step(run: Run, step: int) -> tuple[dict[str, Any], int]:
         return run.objective.step(run, step)
     except Exception as err:
         first = step == run.start_step + 1
-        hint = explain_compile_failure(err, attention=run.options.attention,
-                                       logprob_backend=run.options.logprob_backend) if first else None
+        hint = explain_compile_failure(err, attention=run.options.attention, logprob_backend=run.options.logprob_backend,
+                                       kernels=run.config.kernels) if first else None
         if hint is None:
             raise
         raise ValueError(hint) from err

@@ -129,10 +129,9 @@ def update_form(backend: str) -> str:
     """How the step skips a non-finite update on this backend, chosen from the compiled programs.
 
     "cond": XLA:CPU updates the parameters and moments in place inside a `lax.cond`, and with a select
-    it copied every one of them once per step (112 copies in the small benchmark model). "select":
-    XLA:GPU copies every output of a cond into the donated buffers after it (the 0.8B step at 8,192
-    tokens compiled for a Hopper GPU: 171 copies, 18 GB a step; its non-matmul memory traffic 343 -> 312
-    GB with the select), while a per-element select of new against old fuses into the update's kernels.
+    it copies every one of them once per step. "select": XLA:GPU copies every output of a cond into the
+    donated buffers after it, while a per-element select of new against old fuses into the update's
+    kernels (docs/lab_log.md has the copies and bytes).
     """
     return "cond" if backend == "cpu" else "select"
 
@@ -156,18 +155,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, op
     Call it with the mesh set (`jax.set_mesh(mesh)`). Metrics (scalars): loss and the objective's terms
     as token means over the whole batch's loss mask, tokens (that mask's sum), grad_norm (before
     clipping), applied (1, or 0 when the loss or gradient was not finite and nothing changed) and
-    batch_tokens (non-padding tokens of the batch). The whole step, backward included, traces under
-    `kernels` (the model config's `kernels`; its platform, else jax's backend, is the one whose program
-    this is). The jit carries our CPU compiler options (`xla_options`), so it must be the outermost
+    batch_tokens (non-padding tokens of the batch). The model runs its config's kernel choices;
+    `kernels` (the same choices) names the platform whose program this is (its `platform`, else jax's
+    backend): the update form and the compiler options. The jit carries our CPU compiler options (`xla_options`), so it must be the outermost
     one: to trace the step inside another transformation, use the unjitted `step.__wrapped__`.
     """
 
-    def step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
-        with kernels.traced() as resolved:
-            return traced_step(params, opt_state, batch, resolved.platform)
+    platform = kernels.resolve().platform
 
-    def traced_step(params: Params, opt_state: Any, batch: Batch, platform: str
-                    ) -> tuple[Params, Any, dict[str, jax.Array]]:
+    def step(params: Params, opt_state: Any, batch: Batch) -> tuple[Params, Any, dict[str, jax.Array]]:
         masks = _masks(batch)  # [K, b, S]
         tokens = jnp.sum(masks)
         denominator = jnp.maximum(tokens, 1.0)
@@ -198,13 +194,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, op
 def make_eval_step(graphdef: nnx.GraphDef, options: StepOptions, *, kernels: KernelChoices = KernelChoices()
                    ) -> Callable[[Params, Batch], dict[str, jax.Array]]:
     """`eval_step(params, batch) -> {term: sum over the batch's mask, "tokens": mask sum}` (sums, so
-    several batches add up before `finish_eval` divides), traced under `kernels`."""
+    several batches add up before `finish_eval` divides); `kernels` names the platform as for
+    `make_train_step`."""
 
     def eval_step(params: Params, batch: Batch) -> dict[str, jax.Array]:
         masks = _masks(batch)
-        with kernels.traced():
-            sums = _sum_over_micro_batches(
-                lambda micro, mask: _micro_sums(options, graphdef, params, micro, mask, jnp.ones(()))[1], batch, masks)
+        sums = _sum_over_micro_batches(
+            lambda micro, mask: _micro_sums(options, graphdef, params, micro, mask, jnp.ones(()))[1], batch, masks)
         return {**sums, "tokens": jnp.sum(masks)}
 
     return jax.jit(eval_step, compiler_options=compiler_options(kernels.resolve().platform))
