@@ -1,9 +1,9 @@
 """Huge pages for host allocations: the entry points restart themselves with glibc's THP tunable.
 
-XLA:CPU allocates each execution's scratch buffer with a fresh `mmap` (481 MB for a 4 x 512-token
-step of the small benchmark model), so the kernel faults every page of it in again on every step:
-120,000-750,000 minor faults and 10-15% of a CPU step. With `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`
-glibc asks for transparent huge pages on such mappings (`madvise`), and the faults drop 100-fold.
+XLA:CPU allocates each execution's scratch buffer (the step's temporaries) with a fresh `mmap`, so
+the kernel faults every page of it in again on every step, 4 KiB at a time. With
+`GLIBC_TUNABLES=glibc.malloc.hugetlb=1` glibc asks for transparent huge pages on such mappings
+(`madvise`), which fault in 2 MiB at a time (docs/lab_log.md has the fault counts and their cost).
 glibc reads tunables only when a process starts, so `scripts/train.py` and the benchmarks call
 `restart_with_huge_pages()` first thing: it re-executes the same command line, with the same pid, once.
 

@@ -1,11 +1,10 @@
 """XLA compiler options of our jitted steps, per backend.
 
 On CPU, jax 0.10's XLA hands dots, elementwise ops and reductions to YNNPACK. Its reductions are
-slow on the shapes a train step has: summing a [64, 4, 2, 64, 64] array over the axis of size 2 (the
-gradient of a key-head Gram matrix shared by two value heads) takes 45-80 ms, a [4096, 256] column
-sum (a norm weight's gradient) 7 ms, and reductions were a fifth of the 1 x 4096 train step of
-`scripts/bench/bench_train.py`. With YNNPACK fusions off, XLA's own emitters and its other dot libraries
-run the same HLO and the step is 12-21% faster (docs/lab_log.md, 2026-12-03). Turning off only the
+slow on the shapes a train step has, such as a [64, 4, 2, 64, 64] array summed over the axis of size 2
+(the gradient of a key-head Gram matrix shared by two value heads) or a [4096, 256] column sum (a norm
+weight's gradient). With YNNPACK fusions off, XLA's own emitters and its other dot libraries run the
+same HLO in less time (docs/lab_log.md has the figures). Turning off only the
 reductions is not an option: dot and elementwise fusions without them fail at run time on some of
 our layouts ("unsupported layout in YNN fusion").
 
@@ -13,9 +12,8 @@ XLA:CPU also expands jax.checkpoint's optimization barriers before its common-su
 elimination, which then merges the backward's recomputed forward into the saved one: every remat
 policy compiled to the program without remat (same dots, same memory). With that pass
 (`cse_barrier_expander`) disabled the barriers stay, recomputation happens where remat puts it, and
-compile-time memory on CPU tells the policies apart (a 16k-token, 8-layer small-model step: 6.8 GiB
-of temporaries without remat, 4.0 GiB with `full`; before, 6.7 GiB for both). Programs without
-checkpoints compile as before.
+compile-time memory on CPU tells the policies apart (`tests/test_xla_options.py` holds remat to saving
+memory). Programs without checkpoints compile as before.
 
 XLA:CPU's scheduler is left at its default: its memory-optimised one
 (`xla_cpu_scheduler_type`) made some of our programs smaller and others much larger

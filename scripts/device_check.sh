@@ -40,10 +40,10 @@
 #      and one 8,192-token prompt + 1 token (prefill tokens/s), with each case's cache bytes
 #      ($OUT/generate.json, log $OUT/generate_log.txt).
 # KERNEL_STAGES=correctness,attention (names as in device_check.json) runs only those of 1-4.
-# STAGES=kernels (1-4), STAGES=train (5) or STAGES=generate (6) runs one part (default: all three). On 2026-12-04 an H200 took 140 s for 1-3
-# (4 cut by its budget) and 25-60 s per compile of the 0.8B step (blocks scanned / one after another);
-# the first train call (compile, 4 steps, the traced step and its HLO dump) took over 95 s with the
-# blocks one after another: keep TRAIN_LIMIT_S at 150 or more. Run the two parts as two commands where
+# STAGES=kernels (1-4), STAGES=train (5) or STAGES=generate (6) runs one part (default: all three). The
+# first train call (compile, 4 steps, the traced step and its HLO dump) is the longest, most of it the
+# compile of the 0.8B step with the blocks one after another: keep TRAIN_LIMIT_S at 150 or more
+# (docs/lab_log.md has the H200's times). Run the two parts as two commands where
 # a command is limited to 10 minutes, train first.
 set -uo pipefail
 cd "$(dirname "$0")/.."

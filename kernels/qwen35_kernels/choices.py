@@ -108,9 +108,8 @@ class KernelChoices:
         inputs = self.gdn_inputs
         if inputs == "auto":
             inputs = "pallas" if platform == "gpu" and scan == "pallas" else "xla"
-        # GPU runs "xla": on an H200 (T = 8192, D = 4096, V = 248,320, bf16) its forward+backward took
-        # 0.27 s against the Triton kernel's 1.25 s, whose float32 atomic adds into dh and dW cost more
-        # than the logit tiles XLA writes to memory (docs/kernels.md)
+        # GPU runs "xla": the Triton kernel's float32 atomic adds into dh and dW cost more than the
+        # logit tiles XLA writes to memory (docs/kernels.md)
         logprob = self.logprob_backend
         if logprob == "auto":
             logprob = "pallas" if platform == "tpu" else "xla"

@@ -11,8 +11,8 @@ class Linear(nnx.Linear):
 
     On [B, S, in] the weight gradient contracts two axes (B and S). XLA:CPU lowers such a dot by
     first copying its [B, S, out] operand into a transposed layout, with the producer's elementwise
-    work fused into the copy: that copy cost more than the matmul itself (an MLP's backward ran 2.4x
-    slower). With one token axis the dot reads both operands as they are. The reshape only merges
+    work fused into the copy, and that copy costs more than the matmul itself. With one token axis the
+    dot reads both operands as they are. The reshape only merges
     leading axes, so it is free, and sharded axes stay in their order.
     """
 
@@ -22,9 +22,9 @@ class Linear(nnx.Linear):
 
     def parts(self, x: jax.Array, sizes: tuple[int, ...]) -> tuple[jax.Array, ...]:  # [..., in] -> [..., size] each
         """The projection's consecutive output column blocks of `sizes`, each a matmul with the weight's
-        columns rather than a slice of the whole output. XLA may merge such dots again, but compiled
-        for an H200 the 0.8B step moved 7 GB less this way: its slices of the merged output cost half
-        the copies that slicing this projection's own output did."""
+        columns rather than a slice of the whole output. XLA may merge such dots again, but its slices
+        of the merged output cost fewer copies than slicing this projection's own output does
+        (docs/lab_log.md)."""
         if sum(sizes) != self.out_features or self.bias is not None:
             raise ValueError(f"parts {sizes} must split the {self.out_features} outputs of a projection "
                              f"without bias")

@@ -106,7 +106,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--skip-torch", action="store_true", help="time ours only (no ratios)")
     p.add_argument("--stack", choices=["both", "ours", "transformers"], default="both",
                    help="both (default): each stack in a child process of its own, ours first (in one "
-                        "process the stack timed second runs up to 2x slower: the other's CPU threads "
+                        "process the stack timed second runs slower: the other's CPU threads "
                         "keep spinning); ours / transformers: time that stack only, in this process")
     p.add_argument("--rounds", type=int, default=1,
                    help="with --stack both: time the two stacks' child processes this many times in turn "

@@ -16,13 +16,13 @@ share of its score work (forward and backward); a row of one document runs the f
 Three choices make it fast on XLA:CPU:
   - dK and dV come out transposed, [Dh, T] = [Dh, Q] @ [Q, T]: the [Q, T] score gradient is then a
     row-major right operand. Written as [T, Q] @ [Q, Dh] (what autodiff emits), XLA:CPU copies every
-    [Q, T] block into its transpose first; those copies were half the time of the whole core.
+    [Q, T] block into its transpose first.
   - The row max is a plain compare-and-select reduction (`select_row_max`, shared with the fused
-    loss): `jnp.max` propagates NaN, which XLA:CPU does not vectorise (7x slower). A NaN score still
+    loss): `jnp.max` propagates NaN, which XLA:CPU does not vectorise. A NaN score still
     reaches the output through exp and the sum.
   - The softmax denominators come out of the p @ v matmul, as the product with a column of ones
     appended to v: XLA:CPU turns a row sum over more than 32 keys into a reduce-window tree that
-    reads p once more from memory (the attention core is 7% faster without it).
+    reads p once more from memory.
 """
 
 from __future__ import annotations
@@ -165,9 +165,8 @@ def first_visible_key(segment_ids: jax.Array) -> jax.Array:  # [B, S] -> [B, S] 
 def default_block_q(seq_len: int) -> int:
     """Queries per block for rows of `seq_len`: about a sixteenth of the row, a power of two in [128, 512].
     Fewer, longer blocks compute more of the masked upper triangle (one block of 512 at S = 512 does
-    twice the needed work); shorter ones run more, smaller matmuls. Fwd+bwd of the core on a 2-core
-    CPU, block 512 -> this choice: B x S = 4 x 512 32.6 -> 12.5 ms, 1 x 2048 48.8 -> 35.9 ms,
-    1 x 4096 177 -> 165 ms; at 1 x 8192 512 stays best."""
+    twice the needed work); shorter ones run more, smaller matmuls; a sixteenth balanced the two
+    best on CPU (docs/lab_log.md)."""
     return min(512, max(128, 1 << max(seq_len // 16 - 1, 0).bit_length()))
 
 

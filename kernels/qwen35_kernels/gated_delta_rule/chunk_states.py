@@ -12,13 +12,13 @@ entering chunk c:
 
 - "sequential": `lax.scan` over the chunks, four thin matmuls per step (written out instead of a loop
   up to UNROLL_CHUNKS chunks). Least arithmetic; the right choice on CPU. On a GPU every step is a
-  handful of tiny kernels (13 forward, 21 backward): at S = 8192 (128 chunks) the 0.8B train step
-  launched 78k of them, 37% of its time on an H200.
+  handful of tiny kernels, so over a long sequence's chunks the launches, not the arithmetic, set
+  its time.
 - "associative": the affine maps (A_c, b_c) compose associatively, (A2, b2) after (A1, b1) =
   (A2 A1, A2 b1 + b2), so `lax.associative_scan` gives every prefix in O(log n) rounds of batched
   [Dk, Dk] matmuls; then all v_c and o_c at once. The [Dk, Dk] products make it about 4x the state
-  arithmetic of the sequential scan at Dk = 128, L = 64, all of it in large batched matmuls (on CPU
-  the S = 4096 core takes 2x as long). The scan is recomputed in the backward pass rather than
+  arithmetic of the sequential scan at Dk = 128, L = 64, all of it in large batched matmuls: worth it
+  where launches cost more than arithmetic, not on CPU. The scan is recomputed in the backward pass rather than
   saving its log n levels of products.
 - "pallas": one Pallas kernel walks the chunks in order with the state in registers, one launch for
   the whole sequence (and one, the transposed recurrence, for the backward); then all v_c and o_c at
@@ -59,7 +59,7 @@ from qwen35_kernels.gated_delta_rule.pallas_chunk_states import (
 #   token's state per token) and the rule's output as the gated norm reads it (RULE_OUTPUT_NAME,
 #   [B, S, H, Dv] in the compute dtype), which are kept: the backward repeats the intra-chunk part but
 #   neither the sequential part nor the output kernel (the rule's own backward does not need its
-#   output; only the norm after it does). About 4x less to keep.
+#   output; only the norm after it does). Several times less to keep.
 # - "auto" (`choices.KernelChoices.resolve`): "states" with the Pallas chunk scan, "none" otherwise
 #   (the sequential scan on CPU names no states, so "states" there would rerun the whole scan).
 RULE_OUTPUT_NAME = "gdn_rule_output"
@@ -90,9 +90,8 @@ def chunk_scan_for(choices: KernelChoices, dk: int, dv: int, chunk: int) -> str:
 
 
 # Up to this many chunks the sequential scan is written out: no while loop, and a backward of
-# straight-line code (the delta rule's fwd+bwd at B x S = 4 x 512, chunks of 32, head dim 32 on CPU:
-# 31 -> 21.5 ms). Its compile time grows with the chunks (the same rule's gradient: 1.4 -> 2.8 s at 16
-# chunks, 1.5 -> 17 s at 128), hence the cap; longer sequences run the `lax.scan`.
+# straight-line code instead of a reversed scan over stacked residuals. Its compile time grows with the
+# chunks, hence the cap (docs/lab_log.md has both); longer sequences run the `lax.scan`.
 UNROLL_CHUNKS = 16
 
 
@@ -102,7 +101,7 @@ def _written_out_chunk_states(u: jax.Array, w: jax.Array, q: jax.Array, k: jax.A
     """`sequential_chunk_states` as a Python loop over the n chunks (shapes as there). The state update
     is one matmul, S' = [k; d I]^T [v; S]: as `d S + k^T v` it would be an elementwise chain from chunk
     to chunk, which XLA fuses into one expression per chunk that recomputes every earlier state
-    (quadratic in n: 5x slower at 128 chunks)."""
+    (quadratic in n)."""
     n, dk = u.shape[1], w.shape[-1]
 
     def per_chunk(x: jax.Array) -> list[jax.Array]:  # split, not indexed: its transpose is one concatenate

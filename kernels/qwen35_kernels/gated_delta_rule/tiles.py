@@ -48,7 +48,7 @@ def tile_scan(one: TileStep, state0: jax.Array, tiles: tuple[jax.Array, ...], we
     Differentiated by hand (`_tile_scan_backward`): autodiff of the scan would build the stacked
     input cotangents from zero-filled buffers that the compiler is free to allocate as early as it
     likes; XLA:CPU allocated those of every layer of a recomputed block when the block's backward
-    started (12 GiB at the 9B's 1M tokens on sp = 8). Here they are computed from the cotangent.
+    started. Here they are computed from the cotangent.
     The backward retraces `one` when the gradient is taken: whatever kernel choices it needs, its
     closure carries."""
     return _tile_scan(one, state0, tiles, weights, ids, reset)

@@ -8,7 +8,7 @@ Per head and token t, from the raw projection x [B, S, H, D] and the depthwise c
 
 XLA runs this as a conv fusion, the L2 norms' reduce and normalize fusions, and in the backward some
 ten passes more (the conv's transpose, two-stage column sums for the conv kernel's gradient, the
-norms' row sums): about 1.9 GB a GDN layer and step at the 0.8B's 8k tokens. Here one program per
+norms' row sums), each a pass over the layer's [B, S, H, D] arrays. Here one program per
 (row, block of L tokens, head) reads its tokens' x, w, document ids and writes the output, forward;
 backward it recomputes pre, y and n for its tokens and the Kc - 1 after them (their gradients reach
 back into this block through the conv), and writes dx and its block's share of dw (summed over the

@@ -3,15 +3,14 @@
 XLA fuses an elementwise producer into each of its consumers. When the consumers of a gradient
 are several shifted reads (the taps of a causal conv's backward) and its producer is the long
 elementwise chain of the layers after it (L2-norm and SiLU backward, and transposes out of the
-delta rule's chunked layout), every tap recomputes that chain. On the 1 x 2048-token, 6144-channel
-conv of a hidden-1024 GatedDeltaNet layer, the fused conv-input gradient took 110 ms on CPU.
+delta rule's chunked layout), every tap recomputes that chain: the conv input's
+gradient costs the whole chain once per tap.
 
 `jax.lax.optimization_barrier` stops this only under our compiler options (`xla_options`): by
 default XLA:CPU removes barriers before fusing, and a user's own `jax.jit` has the defaults.
 `materialized` routes the gradient through a reduction instead, which XLA:CPU does not fuse into its
 readers: the sum over a new leading axis of [g, 0], which is g exactly, for one extra pass over the
-gradient. It made the hidden-1024 train step of `scripts/bench/bench_train.py` 6.7% faster (4 x 512
-tokens at hidden 256: 2.9%). Other backends get the plain identity (`materialize` False: the caller
+gradient (docs/lab_log.md has what it saves). Other backends get the plain identity (`materialize` False: the caller
 says which, from its kernel choices' platform).
 """
 

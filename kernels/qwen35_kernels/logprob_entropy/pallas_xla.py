@@ -1,11 +1,10 @@
 """The Pallas forward with the XLA backward: backend "pallas_xla".
 
-On an H200 (T = 8192, D = 4096, V = 248,320, bf16) the Pallas (Triton) forward ran at 387 TFLOP/s
-(0.043 s), one pass that never writes a logit tile; its backward adds every tile's dh and dW into
-float32 memory with atomic adds, 1.25 s forward+backward in all, against 0.27 s for the XLA backend's
-(logit tiles written to memory, XLA's GEMMs). This backend pairs the Pallas forward with the XLA
-backward: the kernel's statistics are that backward's residuals. Whether the pair beats XLA's own
-forward depends on D (the 0.8B's 1024: XLA's forward loop took 27 ms of the measured step).
+The Pallas (Triton) forward is one pass that never writes a logit tile; the Pallas backward adds every
+tile's dh and dW into float32 memory with atomic adds, which costs more than the XLA backend's
+backward (logit tiles written to memory, XLA's GEMMs; docs/kernels.md). This backend pairs the Pallas
+forward with the XLA backward: the kernel's statistics are that backward's residuals. Whether the
+pair beats XLA's own forward depends on D (the 0.8B's is 1024; docs/lab_log.md).
 """
 
 from __future__ import annotations

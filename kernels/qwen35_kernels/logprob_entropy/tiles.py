@@ -35,7 +35,7 @@ def mask_columns(z: jax.Array, cols: jax.Array, vocab: int, first_col: jax.Array
 
 def select_row_max(z: jax.Array) -> jax.Array:
     """[t, v] -> [t, 1]: max over the last axis as compare-and-select, which XLA:CPU vectorises (its
-    NaN-propagating `jnp.max` is about 7x slower there). A NaN logit still reaches s through exp."""
+    NaN-propagating `jnp.max` it does not). A NaN logit still reaches s through exp."""
     larger = lambda a, b: jnp.where(a > b, a, b)  # noqa: E731
     return jax.lax.reduce(z, jnp.asarray(-jnp.inf, z.dtype), larger, (z.ndim - 1,))[..., None]
 
@@ -79,7 +79,7 @@ def update_stats_one_pass(
 
     For XLA:GPU, where the two-pass form (max, then the sums) reads every tile twice from memory and a
     tree reduction keeps the rounding of the merges small; XLA:CPU reduces sequentially, both slower
-    (about 5x) and less accurate, so the CPU keeps `update_stats`."""
+    and less accurate, so the CPU keeps `update_stats`."""
     m, s, r, zl = stats
     ones, zeros = jnp.ones_like(z), jnp.zeros_like(z)  # every logit alone: m = z, s = 1, r = 0
     f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731

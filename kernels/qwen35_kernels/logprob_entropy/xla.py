@@ -33,12 +33,12 @@ from . import tiles
 # (block_t, block_v) per backend. On CPU a [1024, 2048] float32 tile stays in cache-friendly sizes. On
 # GPU every loop iteration is a handful of kernel launches, so the tiles are as large as memory allows
 # cheaply ([8192, 4096] float32 = 128 MiB): at T = 8192, V = 248,320 the backward is 61 iterations
-# instead of 976 (an H200 spent 82 ms in the latter, 8,784 small kernels).
+# instead of 976.
 DEFAULT_BLOCKS = {"cpu": (1024, 2048), "gpu": (8192, 4096), "tpu": (8192, 4096)}
 
 
 # Backends whose forward reads each logit tile once (`tiles.update_stats_one_pass`); XLA:CPU reduces
-# sequentially and runs the two-pass form about 5x faster, and more accurately.
+# sequentially, and there the two-pass form is both the faster and the more accurate.
 ONE_PASS_BACKENDS = ("gpu", "tpu")
 
 
@@ -152,7 +152,7 @@ def stats_backward(
     lse_b, mean_b = col(lse), col(lse - ent)
     g_lse, g_ent, g_zl = (col(jnp.asarray(g, jnp.float32)) for g in cts)
     # The two gradient matmuls take the inputs' own precision: float32 dz against a bf16 weight would
-    # promote both operands to float32 (on an H200, TF32 GEMMs at a third of the bf16 rate).
+    # promote both operands to float32 (TF32 GEMMs on a GPU, slower than bf16 ones).
     compute = jnp.promote_types(hidden.dtype, weight.dtype)
 
     def vocab_step(j, carry):
