@@ -18,8 +18,8 @@ entering chunk c:
   (A2 A1, A2 b1 + b2), so `lax.associative_scan` gives every prefix in O(log n) rounds of batched
   [Dk, Dk] matmuls; then all v_c and o_c at once. The [Dk, Dk] products make it about 4x the state
   arithmetic of the sequential scan at Dk = 128, L = 64, all of it in large batched matmuls: worth it
-  where launches cost more than arithmetic, not on CPU. The scan is recomputed in the backward pass rather than
-  saving its log n levels of products.
+  where launches cost more than arithmetic, not on CPU. The scan is recomputed in the backward pass
+  rather than saving its log n levels of products.
 - "pallas": one Pallas kernel walks the chunks in order with the state in registers, one launch for
   the whole sequence (and one, the transposed recurrence, for the backward); then all v_c and o_c at
   once by a second kernel (`pallas_chunk_outputs.py`), both under one VJP. The state arithmetic of

@@ -5,9 +5,9 @@ matrix [[P, 0], [C, Q]] is [[P^-1, 0], [-Q^-1 C P^-1, Q^-1]], so starting from t
 blocks (all 1), log2(L) rounds of two batched matmuls each give the inverses of the diagonal blocks
 of size 2, 4, ..., L. The rounds on blocks of at most SMALL_BLOCK rows are broadcast products summed
 over the block instead of matmuls: XLA fuses them into one elementwise pass, where batched matmuls of
-1 x 1 to 4 x 4 blocks run element by element. Solving (I + N) X = R is then one matmul, X = (I + N)^-1 R. All of it is
-float32 at `Precision.HIGHEST` on every backend (the systems are small; their accuracy bounds the
-delta rule's).
+1 x 1 to 4 x 4 blocks run element by element. Solving (I + N) X = R is then one matmul,
+X = (I + N)^-1 R. All of it is float32 at `Precision.HIGHEST` on every backend (the systems are
+small; their accuracy bounds the delta rule's).
 
 Why not XLA's triangular solve: on CPU it calls LAPACK through a kernel that parallelises over the
 batch on the thread pool that also runs the devices of a simulated multi-device mesh, and with every

@@ -10,8 +10,8 @@ gradient costs the whole chain once per tap.
 default XLA:CPU removes barriers before fusing, and a user's own `jax.jit` has the defaults.
 `materialized` routes the gradient through a reduction instead, which XLA:CPU does not fuse into its
 readers: the sum over a new leading axis of [g, 0], which is g exactly, for one extra pass over the
-gradient (docs/lab_log.md has what it saves). Other backends get the plain identity (`materialize` False: the caller
-says which, from its kernel choices' platform).
+gradient (docs/lab_log.md has what it saves). Other backends get the plain identity (`materialize`
+False: the caller says which, from its kernel choices' platform).
 """
 
 from __future__ import annotations
