@@ -13,6 +13,9 @@ from qwen35_kernels.choices import KernelChoices
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 DTYPES = ("float32", "bfloat16", "float16")
+# The parameter and compute dtypes a run (and scoring, generation, import) takes; float16 only an
+# export writes.
+RUN_DTYPES = ("float32", "bfloat16")
 # Activation checkpointing of the decoder stack (docs/parallelism.md, "Remat policies"):
 #   auto    the trainer's default: the first of "none", "mlp", "full" whose compiled step fits the
 #           device (train/remat_choice.py); a model used on its own treats it as "full"
@@ -93,8 +96,8 @@ class Qwen35Config:
     # How GDN layers run under sequence parallelism: "all_to_all" (Ulysses: seq <-> heads around the
     # mixer) or "state_passing" (each device keeps its shard; per-shard states cross devices).
     gdn_sp_mode: str = "all_to_all"
-    # Which kernel runs each op ("auto": the platform's default); the train, score and memory steps trace
-    # under it (`KernelChoices.traced`). Its `platform` names the platform whose program to trace.
+    # Which kernel runs each op ("auto": the platform's default); the layers pass it to every kernel.
+    # Its `platform` names the platform whose program to trace (None: the backend jax runs on).
     kernels: KernelChoices = KernelChoices()
 
     def __post_init__(self) -> None:

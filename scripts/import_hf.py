@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from qwen35_jax.train.options import RUN_DTYPES
+from qwen35_jax.config import RUN_DTYPES
 
 
 def main(argv: list[str] | None = None) -> int:

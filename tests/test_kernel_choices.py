@@ -124,14 +124,3 @@ def test_with_config_switches_a_models_kernels_without_copying_its_parameters():
     assert switched.config.kernels.attention == "pallas" and model.config.kernels.attention == "auto"
     assert switched.blocks.layers[0].linear_attn.config.kernels.attention == "pallas"  # every module's config
     assert switched.embed_tokens.embedding[...] is model.embed_tokens.embedding[...]
-
-
-def test_no_context_variable_decides_what_runs():
-    # The kernels and the model take their choices by argument (issue 43): no module of either keeps a
-    # context variable that a trace would read.
-    import pathlib
-
-    root = pathlib.Path(__file__).resolve().parents[1]
-    users = [str(p.relative_to(root)) for folder in ("qwen35_jax", "kernels") for p in (root / folder).rglob("*.py")
-             if "contextvars" in p.read_text()]
-    assert users == []

@@ -64,3 +64,16 @@ def test_no_library_module_imports_a_demo():
              for name in sorted(imported_modules(path)) if name.startswith("qwen35_jax.demos")]
     assert found == []
     assert not (LIBRARY / "train" / "demo.py").exists() and not (LIBRARY / "rl" / "demo.py").exists()
+
+
+def test_generation_imports_neither_train_nor_rl():
+    # generation runs the model's forward pass with a cache; training and RL are built on it, not under it
+    assert offenders(LIBRARY / "generation", ("qwen35_jax.train", "qwen35_jax.rl")) == []
+
+
+def test_no_context_variable_decides_what_runs():
+    # the kernels and the model take their choices by argument: no module of either keeps a context
+    # variable that a trace would read (a program must not depend on what was in force where it was traced)
+    users = [str(path.relative_to(REPO)) for folder in (LIBRARY, REPO / "kernels")
+             for path in sorted(folder.rglob("*.py")) if "contextvars" in imported_modules(path)]
+    assert users == []

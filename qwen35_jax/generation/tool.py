@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from qwen35_jax.files import write_text_atomically
-from qwen35_jax.train.options import RUN_DTYPES
+from qwen35_jax.config import RUN_DTYPES
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -6,8 +6,8 @@ capability, cuDNN and CUDA versions): jax's CUDA plugin makes compile-only devic
 (`jax.experimental.topologies`), and a jit lowered onto a mesh of them compiles to the program the
 device would run, Triton kernels and cuDNN calls included, with the device's own memory figures. It
 needs the plugin, not the CUDA libraries (`pip install -e ".[gpu-compile]"`; on a GPU machine the
-installed one serves). The program traced is the GPU's because the step traces under kernel choices
-whose platform is "gpu" (`qwen35_kernels.choices`); only jax's cuDNN attention asks the local device
+installed one serves). The program traced is the GPU's because the model's kernel choices, which
+its layers pass to every kernel, name the platform "gpu" (`qwen35_kernels.choices`); only jax's cuDNN attention asks the local device
 for its cuDNN version and compute capability, which `cudnn_as_on_target` answers for the target.
 """
 

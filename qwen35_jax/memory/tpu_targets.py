@@ -5,8 +5,8 @@ libtpu holds XLA:TPU's compiler and, through `jax.experimental.topologies`, make
 of a named slice (a generation and a chip grid); a jit lowered onto a mesh of them compiles to the
 program the slice would run, the Pallas TPU (Mosaic) kernels included, with each chip's own memory
 figures. It needs libtpu, not a TPU (`pip install -e ".[tpu-compile]"`, which is `jax[tpu]`; on a TPU
-machine the installed one serves). The program traced is the TPU's because the step traces under
-kernel choices whose platform is "tpu" (`qwen35_kernels.choices`).
+machine the installed one serves). The program traced is the TPU's because the model's kernel
+choices, which its layers pass to every kernel, name the platform "tpu" (`qwen35_kernels.choices`).
 """
 
 from __future__ import annotations

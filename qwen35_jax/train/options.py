@@ -20,13 +20,10 @@ from typing import Any
 import yaml
 from qwen35_kernels.choices import ATTENTION_IMPLEMENTATIONS, GDN_PRECISIONS, LOGPROB_BACKENDS
 
-from qwen35_jax.config import GDN_SP_MODES, REMAT_POLICIES, SCAN_LAYERS_FLAGS
+from qwen35_jax.config import GDN_SP_MODES, REMAT_POLICIES, RUN_DTYPES, SCAN_LAYERS_FLAGS
 from qwen35_jax.data.packing import LONG_ROW_POLICIES
 from qwen35_jax.data.rows import BAD_ROW_POLICIES
 
-# The parameter and compute dtypes a run (and scoring, generation, import) takes; config.DTYPES adds
-# float16, which only an export writes.
-RUN_DTYPES = ("float32", "bfloat16")
 
 # The choices of every option that has a fixed list: the command lines (train.py, logprobs.py,
 # generate.py, import_hf.py, bench_train.py) offer these. Lists are imported from where the concept
