@@ -12,7 +12,7 @@
 #   2. speed at T = 8192, D = 4096, V = 248,320 (bf16): a plain [T, D] x [D, V] matmul, then pallas and
 #      xla forward+backward, as rates of 8 T D V FLOPs (forward 2, backward recompute 2 + dh 2 + dW 2),
 #      with compile-time scratch memory;
-#   3. attention (kernels/qwen35_kernels/attention/pallas.py): the Pallas Triton flash kernel with document
+#   3. attention (kernels/qwen35_kernels/attention/pallas_gpu.py): the Pallas Triton flash kernel with document
 #      masks and cuDNN's (attention/cudnn.py; with max_segments=2 too, which sends the row to its
 #      Triton fallback) against the XLA core at S = 4096, 8 query / 2 kv heads, Dh = 256, bf16 (errors
 #      against a float32 reference, forward and forward+backward time, scratch memory, a few block sizes);
@@ -259,9 +259,9 @@ def _():
 
 @stage("attention")
 def _():
-    # Flash attention with document masks (kernels/qwen35_kernels/attention/pallas.py, Pallas Triton)
+    # Flash attention with document masks (kernels/qwen35_kernels/attention/pallas_gpu.py, Pallas Triton)
     # against the XLA core, bf16, packed documents, GQA. qwen35_kernels imports only jax.
-    from qwen35_kernels.attention import pallas as ak
+    from qwen35_kernels.attention import pallas_gpu as ak
 
     try:
         from qwen35_kernels.attention import attention_core

@@ -43,7 +43,9 @@ def task_rows(n: int, seed: int) -> list[dict[str, Any]]:
 
 
 def _write(path: str, rows: list[dict[str, Any]]) -> str:
-    with open(path, "w") as f:
+    from qwen35_jax.files import replaced_atomically
+
+    with replaced_atomically(path) as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     return path
 

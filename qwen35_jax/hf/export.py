@@ -30,7 +30,6 @@ from qwen35_jax.hf.safetensors_io import (DTYPE_TO_NP, FLOAT_NAMES, INDEX_FILE, 
                                           SafetensorsCheckpoint, TensorToWrite, write_checkpoint)
 from qwen35_jax.parallel.processes import is_lead_process, sync_processes
 
-_WEIGHT_FILES = (SINGLE_FILE, INDEX_FILE)
 
 
 def check_new_output(out_dir: str) -> str:

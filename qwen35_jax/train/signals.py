@@ -39,14 +39,11 @@ class StopRequest:
 
     def agreed(self) -> bool:
         """Whether any process was asked to stop (all processes must stop at the same step)."""
-        import jax  # not at import time: the handler is installed before jax loads
-        import numpy as np
-        from jax.experimental import multihost_utils
+        from qwen35_jax.parallel.processes import gather_values  # not at import time: the handler
+        # is installed before jax loads
 
         asked = self.signal_name is not None
-        if jax.process_count() == 1:
-            return asked
-        flags = multihost_utils.process_allgather(np.array([int(asked)], np.int32))
+        flags = gather_values(int(asked))  # [P]
         if flags.any() and self.signal_name is None:
             self.signal_name = "a stop request on another process"
         return bool(flags.any())

@@ -12,12 +12,13 @@ import numpy as np
 from flax import nnx
 
 from qwen35_jax.config import Qwen35Config
+from qwen35_jax.files import staged_directory
 from qwen35_jax.parallel.processes import is_lead_process, sync_processes
+from qwen35_jax.run_layout import SYNTHETIC_DIR
 from qwen35_jax.scoring import ScoreOptions, score_batches
 from qwen35_jax.train.data import ArrayBatches, BatchStream, load_npy_dir, synthetic_data
 from qwen35_jax.train.options import TrainOptions
 
-SYNTHETIC_DIR = "synthetic"
 
 
 def is_npy_dir(path: str) -> bool:
@@ -43,11 +44,9 @@ def _synthetic(options: TrainOptions, config: Qwen35Config, batch_size: int, mes
             nnx.merge(graphdef, params), data["tokens"], None, mesh=mesh, scoring=scoring)
         data["ref_log_probs"] = data["old_log_probs"]
     if is_lead_process():
-        tmp = directory + ".tmp"
-        os.makedirs(tmp, exist_ok=True)
-        for name, x in data.items():
-            np.save(os.path.join(tmp, f"{name}.npy"), x)
-        os.replace(tmp, directory)
+        with staged_directory(directory) as stage:
+            for name, x in data.items():
+                np.save(os.path.join(stage, f"{name}.npy"), x)
     sync_processes("qwen35_synthetic_written")
     return data
 
