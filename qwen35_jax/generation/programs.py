@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from qwen35_jax.generation.forward import ROWS, decode_step, prefill
-from qwen35_jax.layers.cache import HybridCache
 from qwen35_jax.generation.sampling import SamplingOptions, row_keys, sample_tokens
+from qwen35_jax.layers.cache import HybridCache
 from qwen35_jax.parallel.mesh import constrain, rows_spec
 
 
