@@ -1,0 +1,212 @@
+"""The vision tower (qwen35_jax/vision/) against transformers' Qwen3_5VisionModel, both in float64.
+
+transformers runs inside `torch_float64()` (its float32 pins, in the rotary, the interpolation weights and
+the softmax, widened to float64) with its rotary `inv_freq` buffer recomputed there too (the model builds it
+in float32 at construction), so both sides compute the same float64 numbers up to summation order.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+from transformers import vision_utils
+
+from float64_reference import torch_float64
+from qwen35_jax.config import Qwen35Config
+from qwen35_jax.vision.config import PRESETS, VisionConfig
+from qwen35_jax.vision.hf_weights import load_hf_state
+from qwen35_jax.vision.layout import vision_layout
+from qwen35_jax.vision.tower import VisionTower
+
+# depth 2, 4 heads of 8, a 6 x 6 learned grid (so a 6 x 10 image really interpolates), 2 x 2 merge
+CFG = VisionConfig(depth=2, hidden_size=32, hidden_act="gelu_pytorch_tanh", intermediate_size=48, num_heads=4,
+                   in_channels=3, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=24,
+                   num_position_embeddings=36, rope_theta=10_000.0)
+ONE = [[1, 6, 10]]  # one image, non-square grid
+MANY = [[1, 6, 10], [2, 4, 4], [1, 2, 6]]  # the 2-frame one (video-like) is two attention segments
+# float64 on both sides: what is left is summation order, measured 1.8e-15 of the largest output (|out| up
+# to 26); 1e-10 of it leaves five orders of headroom, while one float32 rounding shows: transformers' own
+# float32 inv_freq (here [1, 0.01], only 0.01 rounds) is off by 8.5e-10.
+RTOL = 1e-10
+
+
+def _hf_config(cfg: VisionConfig) -> transformers.Qwen3_5VisionConfig:
+    d = cfg.to_hf_dict()
+    d.pop("model_type")
+    hf_config = transformers.Qwen3_5VisionConfig(**d)
+    hf_config._attn_implementation = "eager"
+    return hf_config
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(our float64 tower, the float64 transformers model): random weights, LayerNorms near 1."""
+    torch.manual_seed(0)
+    hf = transformers.models.qwen3_5.modeling_qwen3_5.Qwen3_5VisionModel(_hf_config(CFG))
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            scale_one = "norm" in name and name.endswith("weight")
+            p.copy_(1.0 + 0.1 * torch.randn_like(p) if scale_one else 0.3 * torch.randn_like(p))
+    hf = hf.double().eval()
+    with torch_float64():
+        inv_freq, _ = hf.rotary_pos_emb.compute_axial_rope_parameters(hf.config)
+    hf.rotary_pos_emb.inv_freq = inv_freq
+    state = {k: v.numpy() for k, v in hf.state_dict().items()}
+    with jax.enable_x64(True):
+        ours = VisionTower(CFG, "float64", "float64", rngs=nnx.Rngs(0))
+        load_hf_state(ours, state)
+    return ours, hf
+
+
+def _patches(n: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, CFG.patch_dim))
+
+
+@nnx.jit
+def _forward(tower, patches, *layout):
+    return tower(patches, *layout)
+
+
+def _ours(tower: VisionTower, patches: np.ndarray, grid: list, padded: int | None = None) -> np.ndarray:
+    lay = vision_layout(grid, CFG, padded)
+    with jax.enable_x64(True):
+        out = _forward(tower, jnp.asarray(patches), *(jnp.asarray(a) for a in lay[:4]))
+        assert out.dtype == jnp.float64
+        return np.asarray(out)
+
+
+def _hf(hf, patches: np.ndarray, grid: list) -> np.ndarray:
+    with torch.no_grad(), torch_float64():
+        return hf(torch.from_numpy(patches), grid_thw=torch.tensor(grid)).pooler_output.numpy()
+
+
+def _close(ours: np.ndarray, ref: np.ndarray) -> None:
+    assert ours.shape == ref.shape
+    np.testing.assert_allclose(ours, ref, rtol=0, atol=RTOL * np.abs(ref).max())
+
+
+def test_one_non_square_image_matches_hf(pair):
+    ours, hf = pair
+    x = _patches(60)
+    _close(_ours(ours, x, ONE), _hf(hf, x, ONE))
+
+
+def test_images_of_several_sizes_and_frames_match_hf(pair):
+    ours, hf = pair
+    x = _patches(104, seed=1)
+    ref = _hf(hf, x, MANY)
+    _close(_ours(ours, x, MANY), ref)
+    # each frame is its own segment: the second frame alone gives the same merged rows
+    alone = _hf(hf, x[76:92], [[1, 4, 4]])
+    _close(ref[19:23], alone)
+
+
+def test_padding_rows_do_not_change_valid_outputs(pair):
+    ours, hf = pair
+    x = _patches(104, seed=1)
+    garbage = np.random.default_rng(9).standard_normal((24, CFG.patch_dim)) * 100
+    out = _ours(ours, np.concatenate([x, garbage]), MANY, padded=128)
+    assert out.shape == (32, CFG.out_hidden_size) and np.isfinite(out).all()
+    _close(out[:26], _hf(hf, x, MANY))
+    _close(out[:26], _ours(ours, x, MANY))  # bitwise equal only up to summation order over more keys
+
+
+def test_gradients_match_torch_autograd(pair):
+    ours, hf = pair
+    x = _patches(104, seed=2)
+    weights = np.random.default_rng(3).standard_normal((26, CFG.out_hidden_size))
+    lay = vision_layout(MANY, CFG)
+    graphdef, params = nnx.split(ours)
+
+    def scalar(params, patches):
+        return jnp.sum(nnx.merge(graphdef, params)(patches, *(jnp.asarray(a) for a in lay[:4])) * weights)
+
+    with jax.enable_x64(True):
+        g_params, g_x = jax.jit(jax.grad(scalar, argnums=(0, 1)))(params, jnp.asarray(x))
+        g_qkv = np.asarray(g_params["blocks"]["attn"]["qkv"]["kernel"][...])  # [depth, D, 3D]
+        g_pos = np.asarray(g_params["pos_embed"]["embedding"][...])  # [36, D]
+        g_x = np.asarray(g_x)
+    hf.zero_grad()
+    xt = torch.from_numpy(x).requires_grad_(True)
+    with torch_float64():
+        out = hf(xt, grid_thw=torch.tensor(MANY)).pooler_output
+        (out * torch.from_numpy(weights)).sum().backward()
+    _close(g_x, xt.grad.numpy())
+    for i in range(CFG.depth):
+        _close(g_qkv[i], hf.blocks[i].attn.qkv.weight.grad.numpy().T)
+    _close(g_pos, hf.pos_embed.weight.grad.numpy())
+
+
+@pytest.mark.parametrize("merge, grid", [(2, [[1, 6, 10], [2, 4, 4], [1, 2, 6], [3, 8, 2], [1, 12, 14]]),
+                                         (1, [[1, 1, 5], [2, 3, 1], [1, 7, 9]])])
+def test_layout_reproduces_transformers_vision_utils(merge, grid):
+    cfg = CFG.replace(spatial_merge_size=merge)
+    lay = vision_layout(grid, cfg, None)
+    g = torch.tensor(grid)
+    pos = vision_utils.get_vision_position_ids(g, merge).numpy()
+    np.testing.assert_array_equal(lay.rope_rows_cols, pos)
+    cu = vision_utils.get_vision_cu_seqlens(g).numpy()
+    np.testing.assert_array_equal(lay.segment_ids, np.repeat(np.arange(1, len(cu)), np.diff(cu)))
+    kw = dict(num_grid_per_side=cfg.grid_side, mode="bilinear", align_corners=True, spatial_merge_size=merge)
+    with torch_float64():
+        index, weight = vision_utils.get_vision_interpolation_indices_and_weights(g, **kw)
+    np.testing.assert_array_equal(lay.interp_index, index.numpy())
+    np.testing.assert_array_equal(lay.interp_weight, weight.numpy())
+    _, weight32 = vision_utils.get_vision_interpolation_indices_and_weights(g, **kw)  # as transformers runs it
+    np.testing.assert_allclose(lay.interp_weight, weight32.numpy(), rtol=0, atol=1e-6)
+    assert lay.num_valid == len(pos)
+
+
+def test_layout_pads_with_segment_zero_and_zero_weights():
+    lay = vision_layout(ONE, CFG, 64)
+    assert lay.num_valid == 60 and lay.segment_ids.shape == (64,)
+    assert (lay.segment_ids[60:] == 0).all() and (lay.interp_weight[60:] == 0).all()
+    assert (lay.rope_rows_cols[60:] == 0).all() and (lay.segment_ids[:60] == 1).all()
+    np.testing.assert_allclose(lay.interp_weight[:60].sum(axis=1), 1.0, rtol=0, atol=1e-15)
+    for bad, msg in ((58, "smaller than"), (62, "multiple of merge_unit")):
+        with pytest.raises(ValueError, match=msg):
+            vision_layout(ONE, CFG, bad)
+    with pytest.raises(ValueError, match="multiples of spatial_merge_size"):
+        vision_layout([[1, 5, 4]], CFG)
+
+
+def test_config_reads_what_transformers_writes():
+    hf_config = _hf_config(CFG)
+    assert VisionConfig.from_hf(hf_config.to_dict()) == CFG
+    assert VisionConfig.from_hf(CFG.to_hf_dict()) == CFG
+    defaults = VisionConfig.from_hf(transformers.Qwen3_5VisionConfig().to_dict())
+    assert defaults == VisionConfig.from_hf({}) == VisionConfig.from_hf({"rope_parameters": None})
+    assert (defaults.depth, defaults.hidden_size, defaults.rope_theta, defaults.grid_side) == (27, 1152, 1e4, 48)
+    assert (CFG.head_dim, CFG.patch_dim, CFG.merge_unit, CFG.grid_side) == (8, 96, 4, 6)
+
+
+@pytest.mark.parametrize("changes, msg", [
+    (dict(num_position_embeddings=35), "perfect square"),
+    (dict(num_heads=3), "divisible by num_heads"),
+    (dict(hidden_size=24, num_heads=4), "multiple of 4"),
+    (dict(hidden_act="silu"), "hidden_act"),
+    (dict(depth=0), "depth must be an int >= 1"),
+])
+def test_config_rejects_what_the_tower_cannot_run(changes, msg):
+    with pytest.raises(ValueError, match=msg):
+        CFG.replace(**changes)
+
+
+def test_from_hf_rejects_unsupported_settings():
+    with pytest.raises(ValueError, match="deepstack"):
+        VisionConfig.from_hf({"deepstack_visual_indexes": [8]})
+    with pytest.raises(ValueError, match="rope_type"):
+        VisionConfig.from_hf({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}})
+    with pytest.raises(ValueError, match="only equal sizes"):
+        VisionConfig.from_hf({"patch_size": [14, 16]})
+    assert VisionConfig.from_hf({"patch_size": [14, 14]}).patch_size == 14
+
+
+@pytest.mark.parametrize("name", sorted(set(PRESETS) - {"tiny"}))
+def test_published_presets_feed_their_text_model(name):
+    vision = VisionConfig.preset(name)
+    assert vision.out_hidden_size == Qwen35Config.preset(name).hidden_size
+    assert VisionConfig.from_hf(vision.to_hf_dict()) == vision
