@@ -160,16 +160,18 @@ def _published(*, depth: int, hidden: int, intermediate: int, heads: int, out: i
                 out_hidden_size=out, num_position_embeddings=2304, rope_theta=10_000.0)
 
 
-# Published sizes. The `vision_config` blocks of the Qwen/Qwen3.5-* config.json files were not reachable from
-# here; these are as public code reproduces them (parsers and fixtures that copy the released configs), and
-# out_hidden_size is always the text hidden size of qwen35_jax/config.py's preset of the same name:
-#   0.8B: 12 x 768, MLP 3072, 12 heads (three independent copies agree);
-#   4B:   24 x 1024, MLP 4096, 16 heads (one copy of the official config);
-#   9B, 27B, 35B-A3B, 397B-A17B: 27 x 1152, MLP 4304, 16 heads, as transformers' Qwen3_5VisionConfig
-#   defaults (copies of the 9B, 27B and 35B-A3B configs agree; the 397B-A17B one only by its depth/width).
-# Every one: patch 16, temporal 2, merge 2, 2304 positions, gelu_pytorch_tanh, rope_theta 10000 (no
-# rope_parameters in the released vision configs: transformers' default). A 2B tower (24 x 1024 into 2048)
-# is left out: its MLP width and heads were not found in any copy.
+# Published sizes. The Qwen/Qwen3.5-* config.json files themselves were not reachable from here (no network);
+# the numbers are those of public code that copies their `vision_config` blocks (parsers, fixtures and
+# weight-shape contracts written against the released checkpoints):
+#   0.8B: 12 blocks of 768, MLP 3072, 12 heads, out 1024 (several independent copies agree);
+#   4B:   24 blocks of 1024, MLP 4096, 16 heads, out 2560 (one copy, a weight-shape contract);
+#   9B, 27B, 35B-A3B, 397B-A17B: 27 blocks of 1152, MLP 4304, 16 heads (transformers' defaults), out 4096,
+#   5120, 2048, 4096 (one copy of the 9B config, two of the 27B, two of the 35B-A3B; for 397B-A17B only a
+#   JAX reimplementation's defaults, paired there with the 60 x 4096 text model).
+# out_hidden_size is the text hidden size of qwen35_jax/config.py's preset of the same name (the test holds
+# that). Every one: patch 16, temporal 2, merge 2, 2304 positions (48 x 48), gelu_pytorch_tanh, and no
+# rope_parameters, so transformers' default rope_theta 10000. A 2B tower (24 x 1024 into 2048 in one copy)
+# is left out: its MLP width and heads were in no copy found, and the text presets have no 2B either.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(depth=2, hidden_size=32, hidden_act="gelu_pytorch_tanh", intermediate_size=48, num_heads=4,
                  in_channels=3, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64,

@@ -39,7 +39,7 @@ def check_grid_thw(grid_thw: np.ndarray | list, config: VisionConfig) -> np.ndar
     return grid.astype(np.int64)
 
 
-def num_patches(grid_thw: np.ndarray | list, config: VisionConfig) -> int:
+def count_patches(grid_thw: np.ndarray | list, config: VisionConfig) -> int:
     """Patches of the images: sum of t * h * w."""
     grid = check_grid_thw(grid_thw, config)
     return int(np.sum(np.prod(grid, axis=1)))
@@ -76,18 +76,19 @@ def frame_interpolation(rows_cols: np.ndarray, h: int, w: int, side: int) -> tup
     return index, weight
 
 
-def vision_layout(grid_thw: np.ndarray | list, config: VisionConfig, num_patches_padded: int | None = None
+def vision_layout(grid_thw: np.ndarray | list, config: VisionConfig, num_patches: int | None = None
                   ) -> VisionLayout:
-    """The tower's per-patch inputs for the images of `grid_thw` [N, 3], padded to `num_patches_padded`
-    rows (default: no padding). The padded size must hold every patch and be a whole number of merge
-    windows, so that the merger never mixes a padding row into a valid output row."""
+    """The tower's per-patch inputs for the images of `grid_thw` [N, 3], padded to a bucket of
+    `num_patches` rows (default: no padding). The bucket must hold every patch and be a whole number of
+    merge windows, so that the merger never mixes a padding row into a valid output row; the tower's
+    first num_valid / merge_unit output rows are then the images'."""
+    valid = count_patches(grid_thw, config)
     grid = check_grid_thw(grid_thw, config)
-    valid = int(np.sum(np.prod(grid, axis=1)))
-    total = valid if num_patches_padded is None else int(num_patches_padded)
+    total = valid if num_patches is None else int(num_patches)
     if total < valid:
-        raise ValueError(f"num_patches_padded {total} is smaller than the images' {valid} patches")
+        raise ValueError(f"num_patches {total} is smaller than the images' {valid} patches")
     if total % config.merge_unit:
-        raise ValueError(f"num_patches_padded {total} must be a multiple of merge_unit {config.merge_unit}")
+        raise ValueError(f"num_patches {total} must be a multiple of merge_unit {config.merge_unit}")
     segment_ids = np.zeros((total,), np.int32)
     rope_rows_cols = np.zeros((total, 2), np.int32)
     interp_index = np.zeros((total, 4), np.int32)

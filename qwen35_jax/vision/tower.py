@@ -197,10 +197,12 @@ class VisionTower(nnx.Module):
             if arr.shape != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
         x = self.patch_embed(patches.astype(self.dtype))  # [P, D]
-        table = self.pos_embed.embedding[...].astype(self.dtype)  # [side**2, D]
-        taps = jnp.take(table, interp_index, axis=0)  # [P, 4, D]
-        x = x + jnp.einsum("pkd,pk->pd", taps, interp_weight.astype(self.dtype))  # [P, D]
-        cos, sin = rope_cos_sin(rope_rows_cols, cfg, math_dtype(self.dtype))  # [P, Dh] each
+        acc = math_dtype(self.dtype)
+        taps = jnp.take(self.pos_embed.embedding[...].astype(self.dtype), interp_index, axis=0)  # [P, 4, D]
+        # the 4 taps weighted and summed in the math dtype, as transformers' float32 weights promote them
+        pos = jnp.einsum("pkd,pk->pd", taps, interp_weight.astype(acc), preferred_element_type=acc)  # [P, D]
+        x = x + pos.astype(self.dtype)  # [P, D]
+        cos, sin = rope_cos_sin(rope_rows_cols, cfg, acc)  # [P, Dh] each
 
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
         def run(block: VisionBlock, x: jax.Array) -> jax.Array:
