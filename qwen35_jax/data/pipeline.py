@@ -12,13 +12,15 @@ seed, the files and the shard, never on the number of workers.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import grain
 import numpy as np
 
-from qwen35_jax.data.packing import check_long_rows, fit_to_length, pack
+from qwen35_jax.data.image_rows import RowImages, image_spans, image_token_id
+from qwen35_jax.data.packing import check_long_rows, fit_images_to_length, fit_to_length, pack
 from qwen35_jax.data.rows import BadRow, RowEncoder, check_bad_rows
 from qwen35_jax.data.sources import JsonlLines
 
@@ -34,6 +36,7 @@ class RowCounts:
     split_rows: int = 0
     dropped_rows: int = 0
     bad_rows: int = 0
+    images: int = 0  # images of the pieces used (a truncated row's images after the cut are not)
     bad_row_examples: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -44,8 +47,24 @@ class RowCounts:
         return cls(**{k: (list(v) if isinstance(v, list) else int(v)) for k, v in state.items()})
 
 
+def _image_fields(images: RowImages | None, spans: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    if images is None:
+        return {}
+    out = {"patches": images.patches, "grids_thw": images.grids_thw}
+    return out if spans is None else {**out, "image_spans": spans}
+
+
+def _piece_images(images: RowImages | None) -> dict[str, np.ndarray]:
+    """The packer's meta features: every row has them (empty without images)."""
+    if images is None:
+        return {"patches": np.zeros((0, 0), np.float32), "grids_thw": np.zeros((0, 3), np.int64)}
+    return {"patches": images.patches, "grids_thw": images.grids_thw}
+
+
 class EncodeLine:
-    """grain map: a `Line` -> {"tokens", "loss_mask", "position"} or {"bad": "file:line: why", ...}.
+    """grain map: a `Line` -> {"tokens", "loss_mask", "position"} (+ "patches", "grids_thw" and the pads'
+    "image_spans" [N, 2] of a row with images) or {"bad": "file:line: why", ...}. Image paths are
+    relative to the line's file's folder.
 
     Never raises for a bad row: a row removed inside a worker would make the output depend on the
     number of workers, so bad rows travel as markers to the flat map below.
@@ -57,10 +76,11 @@ class EncodeLine:
     def __call__(self, item: tuple[int, Any]) -> dict[str, Any]:
         position, line = item
         try:
-            tokens, loss_mask = self.encoder.encode_line(line.text)
+            tokens, loss_mask, images = self.encoder.encode_line(line.text, os.path.dirname(line.path))
         except BadRow as err:
             return {"bad": f"{line.where}: {err}", "position": position}
-        return {"tokens": tokens, "loss_mask": loss_mask, "position": position}
+        spans = None if images is None else image_spans(tokens, image_token_id(self.encoder.tokenizer))
+        return {"tokens": tokens, "loss_mask": loss_mask, "position": position, **_image_fields(images, spans)}
 
 
 def _with_position(position: int, line: Any) -> tuple[int, Any]:
@@ -95,26 +115,34 @@ class FitRows(grain.experimental.FlatMapTransform):
                 counts.bad_row_examples.append(row["bad"])
             self._unusable()
             return []
-        pieces = fit_to_length(row["tokens"], row["loss_mask"], self.seq_len, self.long_rows)
+        if "patches" in row:
+            pieces = fit_images_to_length(row["tokens"], row["loss_mask"], RowImages(row["patches"], row["grids_thw"]),
+                                          row["image_spans"], self.seq_len, self.long_rows)
+        else:
+            pieces = [(t, m, None) for t, m in fit_to_length(row["tokens"], row["loss_mask"], self.seq_len,
+                                                             self.long_rows)]
         if len(row["tokens"]) > self.seq_len:
             name = {"truncate": "truncated_rows", "split": "split_rows", "drop": "dropped_rows"}[self.long_rows]
+            name = name if pieces else "dropped_rows"  # a row whose image cannot be kept whole is dropped
             setattr(counts, name, getattr(counts, name) + 1)
         if not pieces:
             self._unusable()
             return []
         self.unusable_in_a_row = 0
         counts.rows += 1
-        for tokens, loss_mask in pieces:
+        for tokens, loss_mask, images in pieces:
             counts.tokens += len(tokens)
             counts.loss_tokens += int(loss_mask.sum())
-        return [{"tokens": t, "loss_mask": m, "position": row["position"]} for t, m in pieces]
+            counts.images += 0 if images is None else len(images.grids_thw)
+        return [{"tokens": t, "loss_mask": m, "position": row["position"], **_piece_images(i)} for t, m, i in pieces]
 
 
 def packed_rows(lines: JsonlLines, encoder: RowEncoder, *, seq_len: int, seed: int, shuffle: bool,
                 epochs: int | None, shard_index: int, shard_count: int, long_rows: str, bad_rows: str,
                 worker_count: int) -> tuple[grain.IterDataset, FitRows]:
-    """Packed rows {"tokens", "segment_ids", "loss_mask": int32 [seq_len], "position": [int]} of this
-    shard, and the flat map whose `.counts` tally the rows read so far.
+    """Packed rows {"tokens", "segment_ids", "loss_mask": int32 [seq_len], "position": [int]} (+ "patches"
+    [P, patch_dim], "grids_thw" [N, 3] in a row with images) of this shard, and the flat map whose
+    `.counts` tally the rows read so far.
 
     "position" holds the index, in the repeated (all-shard) order, of each input row in the packed row.
     """

@@ -2,6 +2,9 @@
 
 The output directory appears complete or not at all: everything is written into a temporary directory
 next to it, which is renamed only after the last byte is on disk.
+
+With an `ImageProcessor` (a model with a vision tower), chat rows may hold images: their patches and
+grids are written beside the rows (`prepared.IMAGE_FIELDS`), each image whole in its packed row.
 """
 
 from __future__ import annotations
@@ -9,13 +12,18 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from qwen35_jax.data.pipeline import packed_rows, stack_rows
-from qwen35_jax.data.prepared import FIELDS, NpyRowWriter, write_manifest
+from qwen35_jax.data.prepared import FIELDS, IMAGE_FIELDS, NpyRowWriter, write_manifest
 from qwen35_jax.data.rows import RowEncoder, check_tokenizer, load_tokenizer
 from qwen35_jax.data.sources import JsonlLines, file_sha256, find_jsonl_files
 from qwen35_jax.files import staged_directory
+
+if TYPE_CHECKING:
+    from qwen35_jax.data.images import ImageProcessor
 
 WRITE_ROWS = 256  # packed rows per write
 
@@ -44,21 +52,49 @@ def _tokenizer_record(directory: str, tokenizer: Any) -> dict[str, Any]:
             "sha256": files}
 
 
+class _ImageWriter:
+    """The image arrays of a prepared dataset, written packed row by packed row."""
+
+    def __init__(self, stage: str, patch_dim: int):
+        widths = {"patches": patch_dim, "grids_thw": 3, "row_images": 2, "row_patches": 2}
+        self.writers = {name: NpyRowWriter(os.path.join(stage, f"{name}.npy"), widths[name], dtype)
+                        for name, dtype in IMAGE_FIELDS.items()}
+        self.patch_dim, self.images, self.patches = patch_dim, 0, 0
+
+    def write(self, rows: list[dict[str, Any]]) -> None:
+        spans = np.zeros((len(rows), 2, 2), np.int64)  # [k, (images, patches), (first, end)]
+        for i, row in enumerate(rows):
+            patches = row.get("patches", np.zeros((0, self.patch_dim), np.float32))  # [P, patch_dim]
+            grids = row.get("grids_thw", np.zeros((0, 3), np.int64))  # [N, 3]
+            spans[i] = [[self.images, self.images + len(grids)], [self.patches, self.patches + len(patches)]]
+            self.writers["patches"].write(patches)
+            self.writers["grids_thw"].write(grids)
+            self.images, self.patches = self.images + len(grids), self.patches + len(patches)
+        self.writers["row_images"].write(spans[:, 0])
+        self.writers["row_patches"].write(spans[:, 1])
+
+    def close(self) -> None:
+        for writer in self.writers.values():
+            writer.close()
+
+
 def prepare_dataset(inputs: str | Sequence[str], out: str, *, tokenizer: str, seq_len: int, vocab_size: int,
-                    seed: int = 0, long_rows: str = "split", bad_rows: str = "skip",
-                    worker_count: int = 0) -> dict[str, Any]:
-    """Tokenise and pack every row of `inputs` (shuffled by `seed`) into `out`; returns the manifest."""
+                    seed: int = 0, long_rows: str = "split", bad_rows: str = "skip", worker_count: int = 0,
+                    image_processor: ImageProcessor | None = None) -> dict[str, Any]:
+    """Tokenise and pack every row of `inputs` (shuffled by `seed`) into `out`; returns the manifest.
+    `image_processor`: the model's, when it has a vision tower (rows with images are bad rows without)."""
     if os.path.exists(out):
         raise ValueError(f"{out} already exists: choose a new output directory")
     files = find_jsonl_files(inputs)
     loaded = load_tokenizer(tokenizer)
     check_tokenizer(loaded, vocab_size, source=tokenizer)
     lines = JsonlLines(files)
-    encoder = RowEncoder(tokenizer, vocab_size, loaded=loaded)
+    encoder = RowEncoder(tokenizer, vocab_size, loaded=loaded, image_processor=image_processor)
     rows, fit = packed_rows(lines, encoder, seq_len=seq_len, seed=seed, shuffle=True, epochs=1, shard_index=0,
                             shard_count=1, long_rows=long_rows, bad_rows=bad_rows, worker_count=worker_count)
     with staged_directory(out) as stage:
         writers = {name: NpyRowWriter(os.path.join(stage, f"{name}.npy"), seq_len) for name in FIELDS}
+        image_writer = None if image_processor is None else _ImageWriter(stage, image_processor.patch_dim)
         max_token_id, padding = 0, 0
         iterator = iter(rows)
         try:
@@ -66,11 +102,15 @@ def prepare_dataset(inputs: str | Sequence[str], out: str, *, tokenizer: str, se
                 arrays = stack_rows(block)  # each [k, S]
                 for name, writer in writers.items():
                     writer.write(arrays[name])
+                if image_writer is not None:
+                    image_writer.write(block)
                 max_token_id = max(max_token_id, int(arrays["tokens"].max()))
                 padding += int((arrays["segment_ids"] == 0).sum())
         finally:
             for writer in writers.values():
                 writer.close()
+            if image_writer is not None:
+                image_writer.close()
             getattr(iterator, "close", lambda: None)()
         n_rows = writers["tokens"].rows
         if n_rows == 0:
@@ -84,6 +124,9 @@ def prepare_dataset(inputs: str | Sequence[str], out: str, *, tokenizer: str, se
             "tokenizer": _tokenizer_record(tokenizer, loaded),
             "settings": {"seed": seed, "long_rows": long_rows, "bad_rows": bad_rows},
             "counts": {"input_rows": len(lines), **fit.counts.to_dict(), "padding_tokens": padding},
+            "images": None if image_writer is None else {
+                "count": image_writer.images, "patches": image_writer.patches, "patch_dim": image_writer.patch_dim,
+                "merge_size": image_processor.merge_size, "processor": json.loads(image_processor.to_json())},
         }
         write_manifest(stage, manifest)
     return manifest

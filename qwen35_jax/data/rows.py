@@ -10,6 +10,10 @@ tokenized one way: text as is, without special tokens (a prompt gets the ids a p
 training row gives it, with BOS-adding tokenizers too); a conversation checked by `check_messages`
 and rendered by the tokenizer's chat template; every id checked against the model's vocabulary.
 
+A conversation's messages may hold images (`data/image_rows.py`): the row then also carries their
+patches and grids (`Encoded.images`), its image pads expanded to the images' sizes. That needs an
+`ImageProcessor` (the model's vision tower); text-only runs tokenise without one.
+
 A row that cannot be used raises `BadRow` with the reason; the caller adds the file and line.
 """
 
@@ -19,11 +23,16 @@ import json
 import os
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from qwen35_jax.data.chat_masks import ChatTemplateError, assistant_mask
+from qwen35_jax.data.image_rows import (BadContent, RowImages, content_images, expand_images, image_loss_mask,
+                                        image_token_id, row_images, template_messages)
+
+if TYPE_CHECKING:
+    from qwen35_jax.data.images import ImageProcessor
 
 _LOADING = threading.Lock()  # grain maps rows on several threads; transformers' lazy imports are not thread-safe
 
@@ -33,6 +42,14 @@ BAD_ROW_POLICIES = ("skip", "stop")  # what the pipeline does with a BadRow: ski
 
 class BadRow(ValueError):
     """A row that cannot be trained on; the message says why."""
+
+
+class Encoded(NamedTuple):
+    """An encoded training row."""
+
+    tokens: np.ndarray  # int32 [L]
+    loss_mask: np.ndarray  # int32 [L]: entry t trains the prediction of tokens[t + 1]
+    images: RowImages | None  # patches [P, patch_dim] and grids_thw [N, 3] of the row's images; None: none
 
 
 def check_bad_rows(policy: str) -> None:
@@ -72,15 +89,50 @@ def check_vocabulary(ids: Any, vocab_size: int) -> None:
         raise BadRow(f"token id {int(outside[0])} is outside the vocabulary [0, {vocab_size})")
 
 
-def check_messages(messages: Any) -> None:
+def check_messages(messages: Any) -> list[str]:
     """BadRow unless `messages` is a conversation: a non-empty list of objects with a string 'role' and
-    a string 'content'."""
+    a 'content' that is a string or a list of text and image parts. Returns the image paths in order."""
     if not isinstance(messages, list) or not messages:
         raise BadRow("'messages' must be a non-empty list")
+    paths = []
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRow(f"message {i} needs a string 'role' and a string 'content'")
+        try:
+            paths += content_images(i, message.get("content"))
+        except BadContent as err:
+            raise BadRow(str(err)) from None
+    return paths
+
+
+def _chat_messages(messages: list[dict]) -> list[dict]:
+    try:
+        return template_messages(messages)
+    except BadContent as err:
+        raise BadRow(str(err)) from None
+
+
+def _need_vision(paths: list[str], base_dir: str | None, processor: ImageProcessor | None) -> None:
+    """BadRow naming the first image when there are images and no vision tower (no processor)."""
+    if paths and processor is None:
+        try:
+            row_images(paths, base_dir, None)
+        except BadContent as err:
+            raise BadRow(str(err)) from None
+
+
+def _with_images(tokens: np.ndarray, target: np.ndarray, tokenizer: Any, paths: list[str], base_dir: str | None,
+                 processor: ImageProcessor | None) -> tuple[np.ndarray, np.ndarray, RowImages]:
+    """(tokens [L], target mask [L]) of a rendered row with one pad per image -> expanded [L'], and the
+    images; BadRow naming the path of an image that cannot be used."""
+    try:
+        images = row_images(paths, base_dir, processor)
+        assert processor is not None
+        tokens, target = expand_images(tokens, target, images.grids_thw, image_token_id(tokenizer),
+                                       processor.merge_size)
+    except BadContent as err:
+        raise BadRow(str(err)) from None
+    return tokens, target, images
 
 
 def prediction_mask(target_mask: np.ndarray) -> np.ndarray:  # [L] -> [L]
@@ -91,17 +143,25 @@ def prediction_mask(target_mask: np.ndarray) -> np.ndarray:  # [L] -> [L]
 class PromptEncoder:
     """Prompt row -> prompt token ids, and the tokenization `RowEncoder` goes through. `tokenizer` is
     an HF tokenizer (needed for text and chats) or None; `chat_template_kwargs` go to the chat template
-    when it renders a prompt's 'messages'; `tokenizer_source` (its directory) names it in errors."""
+    when it renders a prompt's 'messages'; `tokenizer_source` (its directory) names it in errors;
+    `image_processor` processes the images of 'messages' (None: the model has no vision tower)."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, *, chat_template_kwargs: Mapping[str, Any] | None = None,
-                 tokenizer_source: str | None = None):
+                 tokenizer_source: str | None = None, image_processor: ImageProcessor | None = None):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.source = tokenizer_source
+        self.image_processor = image_processor
 
-    def encode(self, row: Any) -> list[int]:
+    def encode(self, row: Any, base_dir: str | None = None) -> list[int]:
         """The prompt ids of a prompt row: its `prompt_ids`, its `prompt` tokenized, or its `messages`
-        rendered with the generation prompt; BadRow with the reason."""
+        rendered with the generation prompt; BadRow with the reason. Image pads come expanded; a
+        caller that feeds images uses `encode_with_images` for their patches."""
+        return self.encode_with_images(row, base_dir)[0]
+
+    def encode_with_images(self, row: Any, base_dir: str | None = None) -> tuple[list[int], RowImages | None]:
+        """`encode`, and the images of a 'messages' prompt (None without images); image paths are
+        relative to `base_dir` (the prompt file's folder)."""
         if not isinstance(row, dict):
             raise BadRow(f"expected a JSON object, got {type(row).__name__}")
         given = [f for f in PROMPT_FIELDS if f in row]
@@ -112,14 +172,15 @@ class PromptEncoder:
             ids = row["prompt_ids"]
             if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
                 raise BadRow("'prompt_ids' must be a list of integers")
-        elif field == "prompt":
+        images = None
+        if field == "prompt":
             ids = self.tokenize(row["prompt"], "prompt")
-        else:
-            ids = self.chat_prompt(row["messages"])
+        elif field == "messages":
+            ids, images = self.chat_prompt_with_images(row["messages"], base_dir)
         if not ids:
             raise BadRow("the prompt is empty")
         check_vocabulary(ids, self.vocab_size)
-        return list(ids)
+        return list(ids), images
 
     def decode(self, ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -141,15 +202,29 @@ class PromptEncoder:
     def chat_prompt(self, messages: Any) -> list[int]:
         """A conversation rendered by the chat template with its generation prompt (and
         `chat_template_kwargs`), tokenized without special tokens: what the model continues."""
-        check_messages(messages)
+        return self.chat_prompt_with_images(messages)[0]
+
+    def chat_prompt_with_images(self, messages: Any, base_dir: str | None = None
+                                ) -> tuple[list[int], RowImages | None]:
+        """`chat_prompt`, its image pads expanded, and its images (None without images)."""
+        paths = check_messages(messages)
+        _need_vision(paths, base_dir, self.image_processor)
         tokenizer = self.chat_tokenizer()
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                                 **self.chat_template_kwargs)
+            text = tokenizer.apply_chat_template(_chat_messages(messages), tokenize=False,
+                                                 add_generation_prompt=True, **self.chat_template_kwargs)
+        except BadRow:
+            raise
         except Exception as err:  # the template's own errors (jinja, a missing role...) name the problem
             first = (str(err).splitlines() or [type(err).__name__])[0]
             raise BadRow(f"the chat template failed on 'messages' ({first})") from None
-        return self.tokenize(text, "messages")
+        ids = self.tokenize(text, "messages")
+        if not paths:
+            return ids, None
+        tokens = np.asarray(ids, np.int64)
+        tokens, _, images = _with_images(tokens, np.zeros(len(tokens), np.int32), tokenizer, paths, base_dir,
+                                         self.image_processor)
+        return tokens.tolist(), images
 
     def _tokenizer(self, field: str) -> Any:
         if self.tokenizer is None:
@@ -158,14 +233,18 @@ class PromptEncoder:
 
 
 class RowEncoder:
-    """Turns parsed JSONL rows into (tokens int32 [L], loss_mask int32 [L]), tokenizing through a
-    `PromptEncoder`.
+    """Turns parsed JSONL rows into (tokens int32 [L], loss_mask int32 [L]) (`encode`) or an `Encoded`
+    row with its images too (`encode_example`), tokenizing through a `PromptEncoder`.
+    `image_processor` processes the images of chat rows (None: the model has no vision tower, and a row
+    with an image is a BadRow).
 
     Picklable for grain's worker processes: the tokenizer is loaded in each process on first use.
     """
 
-    def __init__(self, tokenizer_dir: str | None, vocab_size: int, *, loaded: Any = None):
+    def __init__(self, tokenizer_dir: str | None, vocab_size: int, *, loaded: Any = None,
+                 image_processor: ImageProcessor | None = None):
         self.tokenizer_dir, self.vocab_size = tokenizer_dir, vocab_size
+        self.image_processor = image_processor
         # the tokenizer of `tokenizer_dir`, when the caller has it already
         self._prompts = None if loaded is None else self._prompt_encoder(loaded)
 
@@ -173,7 +252,8 @@ class RowEncoder:
         return {**self.__dict__, "_prompts": None}
 
     def _prompt_encoder(self, tokenizer: Any) -> PromptEncoder:
-        return PromptEncoder(tokenizer, self.vocab_size, tokenizer_source=self.tokenizer_dir)
+        return PromptEncoder(tokenizer, self.vocab_size, tokenizer_source=self.tokenizer_dir,
+                             image_processor=self.image_processor)
 
     @property
     def prompts(self) -> PromptEncoder:
@@ -189,18 +269,25 @@ class RowEncoder:
     def tokenizer(self) -> Any:
         return self.prompts.tokenizer
 
-    def encode_line(self, text: bytes) -> tuple[np.ndarray, np.ndarray]:
+    def encode_line(self, text: bytes, base_dir: str | None = None) -> Encoded:
+        """A JSONL line -> `Encoded`; image paths are relative to `base_dir` (the file's folder)."""
         try:
             row = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise BadRow(f"invalid JSON ({err})") from None
-        return self.encode(row)
+        return self.encode_example(row, base_dir)
 
-    def encode(self, row: Any) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, row: Any, base_dir: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens int32 [L], loss_mask int32 [L]) of a row; `encode_example` also gives its images."""
+        tokens, loss_mask, _ = self.encode_example(row, base_dir)
+        return tokens, loss_mask
+
+    def encode_example(self, row: Any, base_dir: str | None = None) -> Encoded:
         if not isinstance(row, dict):
             raise BadRow(f"expected a JSON object, got {type(row).__name__}")
+        images = None
         if "messages" in row:
-            tokens, loss_mask = self._messages(row["messages"])
+            tokens, loss_mask, images = self._messages(row["messages"], base_dir)
         elif "prompt" in row or "response" in row:
             tokens, loss_mask = self._prompt_response(row)
         elif "text" in row:
@@ -212,7 +299,7 @@ class RowEncoder:
         check_vocabulary(tokens, self.vocab_size)
         if not loss_mask.any():
             raise BadRow("nothing to train on (no token has loss)")
-        return tokens.astype(np.int32), loss_mask
+        return Encoded(tokens.astype(np.int32), loss_mask, images)
 
     def _tokenize(self, text: Any, field: str) -> np.ndarray:
         return np.asarray(self.prompts.tokenize(text, field), np.int64)
@@ -258,11 +345,17 @@ class RowEncoder:
             raise BadRow(f"'{field}' must hold only integers")
         return np.asarray(value, np.int64)
 
-    def _messages(self, messages: Any) -> tuple[np.ndarray, np.ndarray]:
-        check_messages(messages)
+    def _messages(self, messages: Any, base_dir: str | None
+                  ) -> tuple[np.ndarray, np.ndarray, RowImages | None]:
+        paths = check_messages(messages)
+        _need_vision(paths, base_dir, self.image_processor)
         tokenizer = self.prompts.chat_tokenizer()
         try:
-            tokens, assistant = assistant_mask(tokenizer, messages)
+            tokens, assistant = assistant_mask(tokenizer, _chat_messages(messages))
         except ChatTemplateError as err:
             raise BadRow(str(err)) from None
-        return tokens, prediction_mask(assistant)
+        if not paths:
+            return tokens, prediction_mask(assistant), None
+        tokens, target, images = _with_images(tokens, assistant, tokenizer, paths, base_dir, self.image_processor)
+        loss_mask = image_loss_mask(tokens, prediction_mask(target), image_token_id(tokenizer))
+        return tokens, loss_mask, images
