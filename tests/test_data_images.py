@@ -5,6 +5,7 @@ keeps every image whole and its patches bit-exact."""
 import copy
 import json
 import os
+import pickle
 
 import numpy as np
 import pytest
@@ -12,14 +13,14 @@ from PIL import Image
 
 from data_testutil import demo_tokenizer, write_jsonl
 from qwen35_jax.data.demo.tokenizer import CHAT_TEMPLATE
-from qwen35_jax.data.image_rows import IMAGE_PAD, RowImages, image_spans
+from qwen35_jax.data.image_rows import IMAGE_PAD, RowImages, expand_images, image_loss_mask, image_spans
 from qwen35_jax.data.images import (QWEN35_MAX_PIXELS, QWEN35_MIN_PIXELS, ImageError, ImageProcessor,
                                     load_image)
 from qwen35_jax.data.mrope import merged_token_count, mrope_positions, packed_mrope_positions
 from qwen35_jax.data.packing import fit_images_to_length
-from qwen35_jax.data.prepare import prepare_dataset
+from qwen35_jax.data.prepare import describe, prepare_dataset
 from qwen35_jax.data.prepared import open_prepared, prepared_row_images
-from qwen35_jax.data.rows import BadRow, PromptEncoder, RowEncoder, load_tokenizer
+from qwen35_jax.data.rows import BadRow, PromptEncoder, RowEncoder, load_tokenizer, prediction_mask
 from qwen35_jax.vision.config import VisionConfig
 
 VOCAB = 512  # the demo tokenizer's 256 tokens plus the three vision tokens
@@ -152,6 +153,9 @@ def test_a_chat_row_with_two_images(tok, tokenizer_dir, processor, tmp_path):
     np.testing.assert_array_equal(images.patches, patches)
     np.testing.assert_array_equal(images.grids_thw, grids)
     _check_pads(tokens, grids, pad)
+    shipped = pickle.loads(pickle.dumps(encoder))  # as grain's worker processes get it
+    np.testing.assert_array_equal(shipped.encode_example({"messages": messages}, str(tmp_path)).images.patches,
+                                  patches)
     is_pad = tokens == pad
     assert not loss_mask[is_pad].any() and not loss_mask[:-1][is_pad[1:]].any()  # no pad predicted or predicting
     assert tok.decode(tokens[1:][loss_mask[:-1] == 1]) == "The fox eats berries.<|im_end|>\n"
@@ -166,6 +170,17 @@ def test_a_chat_row_with_two_images(tok, tokenizer_dir, processor, tmp_path):
     ids, prompt_images = prompt.encode_with_images({"messages": messages[:1]}, str(tmp_path))
     assert tok.decode(ids).endswith("<|im_start|>assistant\n") and ids == tokens[:len(ids)].tolist()
     np.testing.assert_array_equal(prompt_images.patches, patches)
+
+
+def test_image_pads_are_never_predicted_nor_predict_even_where_everything_trains():
+    tokens = np.array([5, 6, 1, 7, 8, 1, 9])  # two images (pad id 1), each wrapped by other tokens
+    grids = np.array([[1, 2, 4], [1, 4, 2]])  # 2 merged tokens each
+    expanded, target = expand_images(tokens, np.ones(7, np.int32), grids, 1, 2)
+    assert expanded.tolist() == [5, 6, 1, 1, 7, 8, 1, 1, 9] and target.tolist() == [1, 1, 0, 0, 1, 1, 0, 0, 1]
+    loss = image_loss_mask(expanded, prediction_mask(target), 1)
+    assert loss.tolist() == [1, 0, 0, 0, 1, 0, 0, 0, 0]  # only 5 -> 6 and 7 -> 8 train
+    with pytest.raises(ValueError, match="two <.image_pad.> tokens with nothing between them"):
+        expand_images(np.array([5, 1, 1, 9]), np.ones(4, np.int32), grids, 1, 2)
 
 
 def test_bad_image_rows_say_why_in_one_line_naming_the_path(tok, tokenizer_dir, processor, tmp_path):
@@ -238,6 +253,7 @@ def test_prepared_data_keeps_images_whole_and_bit_exact(tok, tokenizer_dir, proc
         open_prepared(out, VOCAB)
     arrays, manifest = open_prepared(out, VOCAB, images=True)
     assert manifest["images"]["count"] == manifest["counts"]["images"] == 8
+    assert f"images 8, patches {len(arrays['patches'])}" in describe(manifest)
     pad = tok.convert_tokens_to_ids(IMAGE_PAD)
     assert isinstance(arrays["patches"], np.memmap) and arrays["patches"].dtype == np.float32
     seen = []

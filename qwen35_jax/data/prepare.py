@@ -139,6 +139,7 @@ def describe(manifest: dict[str, Any]) -> str:
              f"rows used {c['rows']}, tokens {c['tokens']}, loss tokens {c['loss_tokens']}, "
              f"padding {c['padding_tokens']} "
              f"({c['padding_tokens'] / max(1, manifest['rows'] * manifest['seq_len']):.1%})",
+             *([f"images {c['images']}, patches {manifest['images']['patches']}"] if manifest.get("images") else []),
              f"long rows: truncated {c['truncated_rows']}, split {c['split_rows']}, dropped {c['dropped_rows']}; "
              f"bad rows skipped: {c['bad_rows']}"]
     lines += [f"  bad row {example}" for example in c["bad_row_examples"][:5]]
