@@ -1,4 +1,5 @@
-"""Qwen3.5 text-model configuration: one frozen dataclass, HF config.json in and out, named presets."""
+"""Qwen3.5 model configuration (the text model, and the vision tower of the VLM types): one frozen dataclass,
+HF config.json in and out, named presets."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from qwen35_kernels.choices import KernelChoices
+
+from qwen35_jax.vision.config import VisionConfig
 
 LAYER_KINDS = ("linear_attention", "full_attention")
 DTYPES = ("float32", "bfloat16", "float16")
@@ -33,6 +36,10 @@ SCAN_LAYERS_FLAGS: dict[str, bool | str] = {"auto": "auto", "true": True, "false
 GDN_SP_MODES = ("all_to_all", "state_passing")
 MODEL_TYPES = ("qwen3_5_text", "qwen3_5", "qwen3_5_moe_text", "qwen3_5_moe")
 _TEXT_TYPE = {"qwen3_5": "qwen3_5_text", "qwen3_5_moe": "qwen3_5_moe_text"}
+VLM_TYPES = ("qwen3_5", "qwen3_5_moe")  # Qwen3_5(Moe)ForConditionalGeneration: may carry a vision tower
+# transformers' Qwen3_5Config defaults of the four vision token ids
+VISION_TOKEN_IDS = dict(image_token_id=248056, video_token_id=248057, vision_start_token_id=248053,
+                        vision_end_token_id=248054)
 _ARCHITECTURES = {
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5": "Qwen3_5ForConditionalGeneration",
@@ -78,6 +85,13 @@ class Qwen35Config:
     shared_expert_intermediate_size: int
     norm_topk_prob: bool
     hf_model_type: str
+    # The vision tower of a VLM type (qwen3_5 / qwen3_5_moe); None: the text model only (a text type, or a
+    # VLM imported text-only). The token ids are those of the placeholders its features replace.
+    vision: VisionConfig | None = None
+    image_token_id: int = VISION_TOKEN_IDS["image_token_id"]
+    video_token_id: int = VISION_TOKEN_IDS["video_token_id"]
+    vision_start_token_id: int = VISION_TOKEN_IDS["vision_start_token_id"]
+    vision_end_token_id: int = VISION_TOKEN_IDS["vision_end_token_id"]
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
     # Tokens per chunk of the chunked delta rule (only float rounding depends on it). "auto": 64, except
@@ -103,6 +117,8 @@ class Qwen35Config:
     def __post_init__(self) -> None:
         if isinstance(self.kernels, Mapping):  # as a checkpoint's or config file's JSON holds it
             object.__setattr__(self, "kernels", KernelChoices(**self.kernels))
+        if isinstance(self.vision, Mapping):  # as a checkpoint's metadata holds it
+            object.__setattr__(self, "vision", VisionConfig(**self.vision))
         if isinstance(self.remat, bool):
             object.__setattr__(self, "remat", "full" if self.remat else "none")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
@@ -171,6 +187,26 @@ class Qwen35Config:
         for n in ("dtype", "param_dtype"):
             if getattr(self, n) not in DTYPES:
                 raise ValueError(f"Qwen35Config.{n} must be one of {DTYPES}, got {getattr(self, n)!r}")
+        for n in VISION_TOKEN_IDS:
+            value = getattr(self, n)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"Qwen35Config.{n} must be an int >= 0, got {value!r}")
+        if self.image_token_id == self.video_token_id:
+            raise ValueError(f"Qwen35Config.image_token_id and video_token_id are both {self.image_token_id}")
+        if self.vision is not None:
+            if not isinstance(self.vision, VisionConfig):
+                raise ValueError(f"Qwen35Config.vision must be a VisionConfig or None, got {type(self.vision).__name__}")
+            if self.hf_model_type not in VLM_TYPES:
+                raise ValueError(f"a vision tower needs a VLM model type {VLM_TYPES}, got {self.hf_model_type!r}")
+
+    def check_vision_fits(self) -> None:
+        """One-line ValueError unless the vision tower's rows are as wide as the text model's hidden size.
+        (transformers builds such configs, e.g. `Qwen3_5MoeConfig(text_config=...)` with its default
+        3584-wide tower, so reading one is no error; building a model of it is.) Placeholder ids outside
+        the vocabulary are allowed, as in transformers: no token can then carry an image."""
+        if self.vision is not None and self.vision.out_hidden_size != self.hidden_size:
+            raise ValueError(f"vision.out_hidden_size ({self.vision.out_hidden_size}) must equal the text "
+                             f"hidden_size ({self.hidden_size})")
 
     # ------------------------------------------------------------------ derived
     @property
@@ -207,6 +243,10 @@ class Qwen35Config:
     def replace(self, **changes: Any) -> "Qwen35Config":
         return dataclasses.replace(self, **changes)
 
+    def text_only(self) -> "Qwen35Config":
+        """This config without its vision tower (the same HF model type, so export writes the same config.json)."""
+        return self.replace(vision=None)
+
     # ------------------------------------------------------------------ HF in
     @classmethod
     def from_hf(cls, source: Any, **overrides: Any) -> "Qwen35Config":
@@ -228,7 +268,9 @@ class Qwen35Config:
             raw = source.to_dict()
         else:
             raise ValueError(f"from_hf expects a path, a dict or a transformers config, got {type(source).__name__}")
-        return cls(**{**_parse_hf(raw), **overrides})
+        from qwen35_jax.config_hf import parse_hf
+
+        return cls(**{**parse_hf(raw), **overrides})
 
     # ------------------------------------------------------------------ HF out
     def to_hf_dict(self) -> dict[str, Any]:
@@ -274,12 +316,16 @@ class Qwen35Config:
             text["intermediate_size"] = self.intermediate_size
         if text_type == self.hf_model_type:
             return {"architectures": [_ARCHITECTURES[self.hf_model_type]], **text}
-        return {
+        out: dict[str, Any] = {
             "architectures": [_ARCHITECTURES[self.hf_model_type]],
             "model_type": self.hf_model_type,
             "tie_word_embeddings": self.tie_word_embeddings,
             "text_config": text,
+            **{n: getattr(self, n) for n in VISION_TOKEN_IDS},
         }
+        if self.vision is not None:
+            out["vision_config"] = {**self.vision.to_hf_dict(), "model_type": f"{self.hf_model_type}_vision"}
+        return out
 
     # ------------------------------------------------------------------ presets
     @classmethod
@@ -301,81 +347,6 @@ def _mrope_section(section: Any) -> tuple[int, int, int]:
     return ints
 
 
-def _parse_hf(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """HF config.json dict -> Qwen35Config kwargs; anything we do not implement is a ValueError."""
-    model_type = raw.get("model_type")
-    if model_type not in MODEL_TYPES:
-        raise ValueError(f"unsupported model_type {model_type!r}; expected one of {MODEL_TYPES}")
-    text = raw
-    tie = raw.get("tie_word_embeddings")
-    if model_type in _TEXT_TYPE:
-        text = raw.get("text_config") or {}
-        if not isinstance(text, Mapping):
-            raise ValueError(f"text_config of a {model_type} config must be a dict")
-        # transformers ties a ForConditionalGeneration model by the top-level flag (default false) only
-    is_moe = model_type.startswith("qwen3_5_moe")
-
-    def get(key: str, default: Any = None) -> Any:
-        return text.get(key, default) if text.get(key) is not None else default
-
-    if get("hidden_act", "silu") != "silu":
-        raise ValueError(f"hidden_act {get('hidden_act')!r} is not supported (only silu)")
-    if get("attention_bias", False):
-        raise ValueError("attention_bias=true is not supported")
-    if not get("attn_output_gate", True):
-        raise ValueError("attn_output_gate=false is not supported")
-    if get("mlp_only_layers", []):
-        raise ValueError(f"mlp_only_layers {get('mlp_only_layers')} is not supported (every layer is MoE)")
-    if get("decoder_sparse_step", 1) != 1:
-        raise ValueError(f"decoder_sparse_step {get('decoder_sparse_step')} is not supported (must be 1)")
-    if is_moe and get("norm_topk_prob", True) is False:
-        raise ValueError("norm_topk_prob=false is not supported (Qwen3.5 MoE renormalises top-k weights)")
-
-    rope = dict(get("rope_parameters", None) or get("rope_scaling", None) or {})
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ValueError(f"rope_type {rope_type!r} is not supported (only default)")
-    rope_theta = rope.get("rope_theta", get("rope_theta", 10_000.0))
-    partial = rope.get("partial_rotary_factor", get("partial_rotary_factor", 0.25))
-    mrope_section = rope.get("mrope_section", [11, 11, 10])  # transformers' default, whatever the rotary dim
-    mrope_interleaved = bool(rope.get("mrope_interleaved", True))
-
-    num_layers = int(get("num_hidden_layers", 32 if not is_moe else 40))
-    layer_types = get("layer_types", None)
-    if layer_types is None:
-        layer_types = hybrid_layer_types(num_layers, int(get("full_attention_interval", 4)))
-
-    hidden = int(get("hidden_size", 4096 if not is_moe else 2048))
-    heads = int(get("num_attention_heads", 16))
-    return dict(
-        vocab_size=int(get("vocab_size", 248320)),
-        hidden_size=hidden,
-        intermediate_size=0 if is_moe else int(get("intermediate_size", 12288)),
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(get("num_key_value_heads", 4 if not is_moe else 2)),
-        head_dim=int(get("head_dim", 256)),
-        rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
-        partial_rotary_factor=float(partial),
-        mrope_section=mrope_section,
-        mrope_interleaved=mrope_interleaved,
-        tie_word_embeddings=bool(tie) if tie is not None else False,
-        layer_types=tuple(layer_types),
-        linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
-        linear_key_head_dim=int(get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(get("linear_value_head_dim", 128)),
-        linear_num_key_heads=int(get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(get("linear_num_value_heads", 32)),
-        num_experts=int(get("num_experts", 256)) if is_moe else 0,
-        num_experts_per_tok=int(get("num_experts_per_tok", 8)) if is_moe else 0,
-        moe_intermediate_size=int(get("moe_intermediate_size", 512)) if is_moe else 0,
-        shared_expert_intermediate_size=int(get("shared_expert_intermediate_size", 512)) if is_moe else 0,
-        norm_topk_prob=True if is_moe else False,
-        hf_model_type=model_type,
-    )
-
-
 def _published(*, hidden: int, layers: int, heads: int, kv_heads: int, linear_v_heads: int,
                linear_k_heads: int = 16, tied: bool, intermediate: int = 0, experts: int = 0, topk: int = 0,
                moe_intermediate: int = 0, shared_intermediate: int = 0) -> dict[str, Any]:
@@ -390,6 +361,11 @@ def _published(*, hidden: int, layers: int, heads: int, kv_heads: int, linear_v_
         moe_intermediate_size=moe_intermediate, shared_expert_intermediate_size=shared_intermediate,
         norm_topk_prob=experts > 0, hf_model_type="qwen3_5_moe" if experts else "qwen3_5",
     )
+
+
+def _vlm(name: str, **text: Any) -> dict[str, Any]:
+    """A published size: its text model and the vision tower of the same name."""
+    return {**_published(**text), "vision": VisionConfig.preset(name)}
 
 
 _TINY = dict(
@@ -408,16 +384,16 @@ PRESETS: dict[str, dict[str, Any]] = {
     "tiny-moe": {**_TINY, "intermediate_size": 0, "num_experts": 8, "num_experts_per_tok": 2,
                  "moe_intermediate_size": 32, "shared_expert_intermediate_size": 64, "norm_topk_prob": True,
                  "hf_model_type": "qwen3_5_moe_text"},
-    "0.8B": _published(hidden=1024, layers=24, heads=8, kv_heads=2, linear_v_heads=16, tied=True,
-                       intermediate=3584),
-    "4B": _published(hidden=2560, layers=32, heads=16, kv_heads=4, linear_v_heads=32, tied=True,
-                     intermediate=9216),
-    "9B": _published(hidden=4096, layers=32, heads=16, kv_heads=4, linear_v_heads=32, tied=False,
-                     intermediate=12288),
-    "27B": _published(hidden=5120, layers=64, heads=24, kv_heads=4, linear_v_heads=48, tied=False,
-                      intermediate=17408),
-    "35B-A3B": _published(hidden=2048, layers=40, heads=16, kv_heads=2, linear_v_heads=32, tied=False,
-                          experts=256, topk=8, moe_intermediate=512, shared_intermediate=512),
-    "397B-A17B": _published(hidden=4096, layers=60, heads=32, kv_heads=2, linear_v_heads=64, tied=False,
-                            experts=512, topk=10, moe_intermediate=1024, shared_intermediate=1024),
+    "0.8B": _vlm("0.8B", hidden=1024, layers=24, heads=8, kv_heads=2, linear_v_heads=16, tied=True,
+                 intermediate=3584),
+    "4B": _vlm("4B", hidden=2560, layers=32, heads=16, kv_heads=4, linear_v_heads=32, tied=True,
+               intermediate=9216),
+    "9B": _vlm("9B", hidden=4096, layers=32, heads=16, kv_heads=4, linear_v_heads=32, tied=False,
+               intermediate=12288),
+    "27B": _vlm("27B", hidden=5120, layers=64, heads=24, kv_heads=4, linear_v_heads=48, tied=False,
+                intermediate=17408),
+    "35B-A3B": _vlm("35B-A3B", hidden=2048, layers=40, heads=16, kv_heads=2, linear_v_heads=32, tied=False,
+                    experts=256, topk=8, moe_intermediate=512, shared_intermediate=512),
+    "397B-A17B": _vlm("397B-A17B", hidden=4096, layers=60, heads=32, kv_heads=2, linear_v_heads=64, tied=False,
+                      experts=512, topk=10, moe_intermediate=1024, shared_intermediate=1024),
 }

@@ -1,5 +1,6 @@
-"""Qwen3.5 decoder stack and its one forward pass: embed -> rotary from positions -> the repeating
-block of layers (scanned or one after another, under the config's remat policy) -> final norm.
+"""Qwen3.5 decoder stack and its one forward pass: embed (with a VLM's image features written over the
+image/video placeholder tokens) -> rotary from positions -> the repeating block of layers (scanned or one
+after another, under the config's remat policy) -> final norm.
 Training, scoring, prefill and decoding all call `Qwen35ForCausalLM.__call__`; a cache argument is
 what differs (`layers/cache.py`)."""
 
@@ -25,6 +26,8 @@ from qwen35_jax.layers.tiling import tiled_over_sequence
 from qwen35_jax.parallel.local import token_local
 from qwen35_jax.parallel.mesh import ACT_BSD, FSDP, SP, auto_mesh, constrain, mesh_axis_size, rows_spec
 from qwen35_jax.parallel.padding import pad_inputs, strip
+from qwen35_jax.vision.inputs import VisionInputs
+from qwen35_jax.vision.tower import VisionTower
 
 
 class DecoderLayer(nnx.Module):
@@ -203,12 +206,21 @@ class Qwen35ForCausalLM(nnx.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dt,
                                       param_dtype=pd, rngs=rngs, kernel_init=nnx.initializers.normal(0.02))
+        self.visual: VisionTower | None = None  # built last: the text parameters draw the same random numbers
+        if config.vision is not None:
+            config.check_vision_fits()
+            self.visual = nnx.data(VisionTower(config.vision, config.dtype, config.param_dtype, rngs=rngs))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
-                 cache: HybridCache | None = None) -> jax.Array | tuple[jax.Array, HybridCache]:
+                 cache: HybridCache | None = None, vision: VisionInputs | None = None
+                 ) -> jax.Array | tuple[jax.Array, HybridCache]:
         """tokens [B, S] int, positions [B, S] or [3, B, S], segment_ids [B, S] (>= 1, 0 = padding)
         -> final-normed hidden states [B, S, D] in the compute dtype (no lm_head); with `cache`, also
         the cache holding the call's tokens after what it held (`layers/cache.py`).
+
+        `vision` (a VLM only; `vision/inputs.py`): the images of the batch, whose feature rows replace the
+        embeddings of the image/video placeholder tokens in row-major [B, S] order (see `embed`). Their
+        positions are the caller's: mrope [3, B, S] from `data/mrope.py`. None: no tower in the program.
 
         The one forward pass of training, scoring, prefill and decoding: embed, rotary from the
         positions, the blocks, the final norm. Positions default to each document's token index, or
@@ -233,7 +245,7 @@ class Qwen35ForCausalLM(nnx.Module):
             tokens, positions, segment_ids = pad_inputs(
                 tokens, positions, segment_ids, mesh_axis_size(mesh, FSDP), mesh_axis_size(mesh, SP))
         cos, sin = rope_cos_sin(positions, self.config)  # [B, S, R]
-        x = self.embed(tokens, decoding)  # [B, S, D]
+        x = self.embed(tokens, decoding, vision, segment_ids)  # [B, S, D]
         x, layers = self.run_blocks(x, cos, sin, segment_ids, cache)
         if cache is None:
             return strip(constrain(self.norm(x), ACT_BSD), b, s)
@@ -241,13 +253,40 @@ class Qwen35ForCausalLM(nnx.Module):
         lengths = cache.lengths + jnp.sum(segment_ids > 0, axis=1, dtype=jnp.int32)
         return hidden, HybridCache(layers=layers, lengths=lengths)
 
-    def embed(self, tokens: jax.Array, decoding: bool = False) -> jax.Array:
+    def embed(self, tokens: jax.Array, decoding: bool = False, vision: VisionInputs | None = None,
+              segment_ids: jax.Array | None = None) -> jax.Array:
         """tokens [B, S] -> [B, S, D] in the compute dtype: sequence shards (`embed_lookup`), or for a
-        decode step whole rows split over every device."""
+        decode step whole rows split over every device. With `vision`, the tower's feature rows then
+        replace, in order, the embeddings of the image/video placeholder tokens (not of padding,
+        segment 0) taken row-major over the whole [B, S] batch (`merge_vision`)."""
         table = self.embed_tokens.embedding[...]
+        spec = rows_spec(3) if decoding else ACT_BSD
         if decoding:
-            return constrain(jnp.take(table.astype(self.config.dtype), tokens, axis=0), rows_spec(3))
-        return constrain(embed_lookup(table, tokens, self.config.dtype), ACT_BSD)
+            x = constrain(jnp.take(table.astype(self.config.dtype), tokens, axis=0), spec)
+        else:
+            x = constrain(embed_lookup(table, tokens, self.config.dtype), spec)
+        if vision is None:
+            return x
+        return constrain(self.merge_vision(tokens, x, vision, segment_ids), spec)
+
+    def merge_vision(self, tokens: jax.Array, x: jax.Array, vision: VisionInputs,
+                     segment_ids: jax.Array | None = None) -> jax.Array:
+        """Embeddings x [B, S, D] with placeholder k (row-major over [B, S]) replaced by the tower's
+        feature row k. Computed on the whole batch (tokens are never split), so the order spans rows
+        and sequence shards; the caller constrains the result to its sharding. The counts must match
+        (`vision.inputs.check_vision_tokens`, on the host): surplus placeholders would reuse the last row."""
+        if self.visual is None:
+            raise ValueError("vision inputs were given but this model has no vision tower (config.vision is None)")
+        if not isinstance(vision, VisionInputs):
+            vision = VisionInputs(*vision)
+        feats = self.visual(*vision).astype(x.dtype)  # [P / merge_unit, D]
+        cfg = self.config
+        mask = (tokens == cfg.image_token_id) | (tokens == cfg.video_token_id)  # [B, S]
+        if segment_ids is not None:
+            mask &= segment_ids > 0
+        index = jnp.cumsum(mask.reshape(-1), dtype=jnp.int32).reshape(mask.shape) - 1  # [B, S]
+        rows = jnp.take(feats, jnp.clip(index, 0, feats.shape[0] - 1), axis=0)  # [B, S, D]
+        return jnp.where(mask[..., None], rows, x)
 
     def run_blocks(self, x: jax.Array, cos: jax.Array, sin: jax.Array, segment_ids: jax.Array,
                    cache: HybridCache | None) -> tuple[jax.Array, tuple[AttentionCache | GdnCache, ...] | None]:

@@ -6,8 +6,9 @@
 Tensor names, expert storage (fused or per expert), tying and every tensor's dtype follow the HF
 checkpoint the model was imported from, so import then export gives back each text-model tensor bit
 for bit; a model made from scratch gets the layout transformers writes for its config. Output larger
-than --max-shard-size is split into shards with model.safetensors.index.json. --extra-from copies the
-tensors we do not model (vision tower, MTP head) and side files (tokenizer ...) from the original.
+than --max-shard-size is split into shards with model.safetensors.index.json. A model with a vision
+tower writes it back under its model.visual.* names. --extra-from copies the tensors we do not model
+(MTP head; the vision tower of a --text-only import) and side files (tokenizer ...) from the original.
 --dtype writes every text tensor in one dtype instead (and sets it in config.json).
 CKPT_DIR is a checkpoint (import_hf.py's output, or one step of a run) or a run directory of
 scripts/train.py, whose newest complete checkpoint is exported. OUT_DIR must not exist; it appears
@@ -41,7 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out_dir", help="new directory for the Hugging Face checkpoint")
     p.add_argument("--max-shard-size", type=parse_size, default="5GB", help="largest shard file (default 5GB)")
     p.add_argument("--extra-from", default=None, metavar="HF_DIR",
-                   help="copy vision/MTP tensors and tokenizer files from this HF checkpoint")
+                   help="copy MTP (and, for a text-only import, vision) tensors and tokenizer files "
+                        "from this HF checkpoint")
     p.add_argument("--mesh", default=None,
                    help="device mesh 'fsdp=F,sp=S' to restore onto (default: all devices on fsdp)")
     p.add_argument("--dtype", choices=DTYPES, default=None,

@@ -100,14 +100,19 @@ def _param_tensors(params: Mapping[str, Any], config: Qwen35Config, layout: N.La
     period = config.block_period
     for idx, entry in enumerate(table):
         for b, slot in enumerate(entry.hf_names):
-            # embedding first, then layer by layer, then final norm and lm_head
-            group, layer = (1, b * period + int(entry.path.split(".")[2])) if entry.stacked else \
-                (0 if entry.path == "embed_tokens.embedding" else 2, 0)
+            # embedding first, then layer by layer, then final norm and lm_head, then the vision tower
+            if entry.path.startswith("visual."):
+                group, layer = 3, b
+            elif entry.stacked:
+                group, layer = 1, b * period + int(entry.path.split(".")[2])
+            else:
+                group, layer = (0 if entry.path == "embed_tokens.embedding" else 2), 0
             for k, (name, shape) in enumerate(zip(slot, entry.hf_shapes)):
                 dtype = layout.dtype_of(name)
 
-                def produce(entry: N.Entry = entry, b: int = b, k: int = k, dtype: str = dtype) -> np.ndarray:
-                    return np.asarray(slot_arrays(entry, b)[k], dtype=DTYPE_TO_NP[dtype])
+                def produce(entry: N.Entry = entry, b: int = b, k: int = k, dtype: str = dtype,
+                            shape: tuple[int, ...] = shape) -> np.ndarray:
+                    return np.asarray(slot_arrays(entry, b)[k], dtype=DTYPE_TO_NP[dtype]).reshape(shape)
 
                 ordered.append(((group, layer, idx, b, k), TensorToWrite(name, dtype, shape, produce)))
     ordered.sort(key=lambda t: t[0])
@@ -133,8 +138,8 @@ def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, 
     `layout` defaults to what transformers writes for `config`; `hf_config` (the source config.json)
     defaults to `config.to_hf_dict()`. `dtype` ("float32", "bfloat16", "float16") writes every text
     tensor in that dtype instead of the source's, and says so in config.json.
-    `extra_from`: an HF checkpoint whose non-text tensors (vision tower, MTP head) and side files
-    (tokenizer, generation config) are copied over unchanged.
+    `extra_from`: an HF checkpoint whose tensors we do not model (MTP head; the vision tower when the
+    model has none) and side files (tokenizer, generation config) are copied over unchanged.
     Returns the file names written.
     """
     if isinstance(params, nnx.State):
@@ -153,8 +158,9 @@ def export_hf(params: Mapping[str, Any], config: Qwen35Config, out_dir: str, *, 
     source = None
     if extra_from is not None:
         source = SafetensorsCheckpoint(extra_from)
+        ours = {t.name for t in tensors}  # a model with a vision tower writes its own model.visual.*
         for info in source.tensors.values():
-            if N.is_skipped(info.name):
+            if N.is_skipped(info.name) and info.name not in ours:
                 tensors.append(TensorToWrite(info.name, info.dtype, info.shape,
                                              lambda name=info.name: source.read(name)))
         extra_files = [f for f in sorted(os.listdir(extra_from)) if os.path.isfile(os.path.join(extra_from, f))

@@ -39,7 +39,7 @@ class HFCheckpoint:
     layout: N.Layout
     table: list[N.Entry]
     files: SafetensorsCheckpoint
-    skipped: list[str]  # vision tower / MTP tensors that are not part of the text model
+    skipped: list[str]  # tensors not part of the model: MTP head, and the vision tower of a text-only import
 
     @property
     def default_param_dtype(self) -> str:
@@ -79,14 +79,30 @@ def _config_dtype(raw: Mapping[str, Any]) -> str | None:
     return None
 
 
-def inspect_hf(directory: str) -> HFCheckpoint:
-    """Check an HF checkpoint completely from its headers; raise one ValueError naming the first problem."""
+def inspect_hf(directory: str, *, text_only: bool = True) -> HFCheckpoint:
+    """Check an HF checkpoint completely from its headers; raise one ValueError naming the first problem.
+
+    `text_only` (the default): the text model; a VLM's `model.visual.*` tensors are skipped and the
+    config has vision None. False: a VLM config (one with a vision_config) also takes the vision tower,
+    whose tensors must all be there."""
     directory = os.fspath(directory)
     raw, config = read_hf_config(directory)
+    if text_only:
+        config = config.text_only()
     files = SafetensorsCheckpoint(directory)
     tensors = files.tensors
-    text = [n for n in tensors if not N.is_skipped(n)]
-    skipped = sorted(n for n in tensors if N.is_skipped(n))
+    vision = config.vision is not None
+    if vision:
+        try:
+            config.check_vision_fits()
+        except ValueError as e:
+            raise ValueError(f"{os.path.join(directory, CONFIG_FILE)}: {e}") from None
+        if not any(n.startswith(N.VISUAL_PREFIX) for n in tensors):
+            raise ValueError(f"{directory}: config.json has a vision_config but the checkpoint has no "
+                             f"{N.VISUAL_PREFIX}* tensors; import it with --text-only (text_only=True) for the "
+                             f"text model alone")
+    text = [n for n in tensors if not N.is_skipped(n, vision)]
+    skipped = sorted(n for n in tensors if N.is_skipped(n, vision))
 
     layout = N.detect_layout(text, config, raw, dtype="F32")
     table = N.build_table(config, layout)
@@ -220,13 +236,15 @@ def _load_entry(files: SafetensorsCheckpoint, entry: N.Entry, dtype: np.dtype,
 
 
 def load_hf(directory: str, *, dtype: str | None = None, mesh: jax.sharding.Mesh | None = None,
-            shardings: Any = None, progress: bool = False) -> tuple[nnx.Module, Qwen35Config, HFCheckpoint]:
+            shardings: Any = None, progress: bool = False, text_only: bool = True
+            ) -> tuple[nnx.Module, Qwen35Config, HFCheckpoint]:
     """Load an HF checkpoint into a `Qwen35ForCausalLM` (params in `dtype`, default: the checkpoint's).
+    `text_only=False` loads a VLM's vision tower too (`inspect_hf`).
 
     `shardings`: a pure-dict pytree of target shardings matching the model's parameters; default
     ZeRO-3 on `mesh` when given, else the first device.
     """
-    ckpt = inspect_hf(directory)
+    ckpt = inspect_hf(directory, text_only=text_only)
     param_dtype = dtype or ckpt.default_param_dtype
     if param_dtype not in FLOAT_NAMES:
         raise ValueError(f"dtype must be one of {sorted(FLOAT_NAMES)}, got {param_dtype!r}")

@@ -4,6 +4,10 @@ One row per tensor kind (see docs/architecture.md, "Parameter tree"). Decoder la
 the scanned block stack at block `N // P`, position `j = N % P` (P = `config.block_period`), so every
 per-layer tensor becomes one slice of a stacked parameter `blocks.layers.{j}.<path>` [nb, ...].
 
+A VLM config (`config.vision` set) adds the vision tower's tensors, `model.visual.*` (names from
+`vision/hf_weights.py`): tower block i is slice i of a stacked parameter `visual.blocks.<path>` [depth, ...].
+With `config.vision` None those tensors are skipped, as are the MTP head's.
+
 The table is computed from the config alone, so a checkpoint can be checked completely (names,
 shapes) before any model or tensor exists; `load.py` then asserts that the table and the model's
 parameter tree cover each other exactly.
@@ -21,10 +25,14 @@ import numpy as np
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.hf.safetensors_io import FLOAT_NAMES
+from qwen35_jax.vision import hf_weights
+from qwen35_jax.vision.config import VisionConfig
 
 CAUSAL_PREFIX = "model."  # Qwen3_5(Moe)ForCausalLM
 CONDITIONAL_PREFIX = "model.language_model."  # Qwen3_5(Moe)ForConditionalGeneration
-SKIPPED_PREFIXES = ("mtp.", "model.visual.")  # multi-token prediction head, vision tower
+VISUAL_PREFIX = "model.visual."  # the vision tower of a ForConditionalGeneration checkpoint
+MTP_PREFIX = "mtp."  # multi-token prediction head (never loaded)
+SKIPPED_PREFIXES = (MTP_PREFIX, VISUAL_PREFIX)  # what a text-only model skips
 EXPERT_LAYOUTS = ("none", "fused", "per_expert")
 _ARCHITECTURES = {
     (False, False): "Qwen3_5ForCausalLM",
@@ -43,6 +51,7 @@ class Kind(enum.Enum):
     EXPERTS_FUSED = "experts_fused"  # [E, a, b] -> [E, b, a]
     EXPERTS_GATE_UP = "experts_gate_up"  # E x gate [I, D] then E x up [I, D] -> [E, D, 2I]
     EXPERTS_DOWN = "experts_down"  # E x down [D, I] -> [E, I, D]
+    PATCH_EMBED = "patch_embed"  # the tower's Conv3d [D, C, T, p, p] -> [C*T*p*p, D] (kernel = stride: a Linear)
 
 
 def hf_shapes(kind: Kind, ours: tuple[int, ...]) -> list[tuple[int, ...]]:
@@ -61,6 +70,8 @@ def hf_shapes(kind: Kind, ours: tuple[int, ...]) -> list[tuple[int, ...]]:
     if kind is Kind.EXPERTS_DOWN:
         e, i, d = ours
         return [(d, i)] * e
+    if kind is Kind.PATCH_EMBED:
+        raise ValueError("the patch embedding's HF shape [D, C, T, p, p] needs the vision config (`vision_entries`)")
     raise AssertionError(kind)
 
 
@@ -79,6 +90,8 @@ def to_ours(kind: Kind, tensors: list[np.ndarray]) -> np.ndarray:
         return np.stack([np.concatenate([tensors[k], tensors[e + k]], axis=0).T for k in range(e)])  # [E, D, 2I]
     if kind is Kind.EXPERTS_DOWN:
         return np.stack([t.T for t in tensors])  # [E, I, D]
+    if kind is Kind.PATCH_EMBED:
+        return tensors[0].reshape(tensors[0].shape[0], -1).T  # [D, C, T, p, p] -> [C*T*p*p, D]
     raise AssertionError(kind)
 
 
@@ -116,6 +129,8 @@ def to_hf(kind: Kind, ours: np.ndarray) -> list[np.ndarray]:
         return [ours[k, :, :i].T for k in range(ours.shape[0])] + [ours[k, :, i:].T for k in range(ours.shape[0])]
     if kind is Kind.EXPERTS_DOWN:
         return [ours[k].T for k in range(ours.shape[0])]
+    if kind is Kind.PATCH_EMBED:
+        return [ours.T]  # [D, C*T*p*p]: the writer reshapes it to the table's [D, C, T, p, p] (same bytes)
     raise AssertionError(kind)
 
 
@@ -232,8 +247,43 @@ def _layer_rows(config: Qwen35Config, kind: str, experts: str) -> list[Row]:
     return rows
 
 
+def _vision_rows(vc: VisionConfig) -> list[tuple[tuple[str, ...], Kind, tuple[int, ...]]]:
+    """(our path under `visual`, kind, our shape without the [depth] axis) for every tower parameter."""
+    d, i, mu_d = vc.hidden_size, vc.intermediate_size, vc.hidden_size * vc.merge_unit
+    rows: list[tuple[tuple[str, ...], Kind, tuple[int, ...]]] = [
+        (("patch_embed", "proj", "kernel"), Kind.PATCH_EMBED, (vc.patch_dim, d)),
+        (("patch_embed", "proj", "bias"), Kind.COPY, (d,)),
+        (("pos_embed", "embedding"), Kind.COPY, (vc.num_position_embeddings, d)),
+    ]
+    norms = [("blocks", "norm1"), ("blocks", "norm2"), ("merger", "norm")]
+    linears = [(("blocks", "attn", "qkv"), d, 3 * d), (("blocks", "attn", "proj"), d, d),
+               (("blocks", "mlp", "linear_fc1"), d, i), (("blocks", "mlp", "linear_fc2"), i, d),
+               (("merger", "linear_fc1"), mu_d, mu_d), (("merger", "linear_fc2"), mu_d, vc.out_hidden_size)]
+    for norm in norms:
+        rows += [((*norm, "scale"), Kind.COPY, (d,)), ((*norm, "bias"), Kind.COPY, (d,))]
+    for path, n_in, n_out in linears:
+        rows += [((*path, "kernel"), Kind.LINEAR, (n_in, n_out)), ((*path, "bias"), Kind.COPY, (n_out,))]
+    return rows
+
+
+def vision_entries(vc: VisionConfig) -> list[Entry]:
+    """The tower's parameters (`visual.*`) with their `model.visual.*` tensors; blocks stacked over depth."""
+    entries = []
+    for path, kind, shape in _vision_rows(vc):
+        stacked = path[0] == "blocks"
+        names = tuple((VISUAL_PREFIX + n,) for n in hf_weights.hf_names(vc, path))
+        if kind is Kind.PATCH_EMBED:
+            hf_shape = (vc.hidden_size, vc.in_channels, vc.temporal_patch_size, vc.patch_size, vc.patch_size)
+        else:
+            (hf_shape,) = hf_shapes(kind, shape)
+        entries.append(Entry("visual." + ".".join(path), (vc.depth, *shape) if stacked else shape, kind, stacked,
+                             names, (hf_shape,)))
+    return entries
+
+
 def build_table(config: Qwen35Config, layout: Layout) -> list[Entry]:
-    """Every parameter of the model with the HF tensors it comes from, in a stable order."""
+    """Every parameter of the model with the HF tensors it comes from, in a stable order (the vision
+    tower's last)."""
     c, pre = config, layout.prefix
     v, d = c.vocab_size, c.hidden_size
     entries = [
@@ -249,12 +299,18 @@ def build_table(config: Qwen35Config, layout: Layout) -> list[Entry]:
             names = tuple(tuple(f"{pre}layers.{b * period + j}.{s}" for s in suffixes) for b in range(nb))
             entries.append(Entry(f"blocks.layers.{j}.{ours}", (nb, *shape), kind, True, names,
                                  tuple(hf_shapes(kind, shape))))
+    if c.vision is not None:
+        if pre != CONDITIONAL_PREFIX:
+            raise ValueError(f"a model with a vision tower is stored as a ForConditionalGeneration checkpoint "
+                             f"(prefix {CONDITIONAL_PREFIX!r}), but the layout has prefix {pre!r}")
+        entries += vision_entries(c.vision)
     return entries
 
 
-def is_skipped(name: str) -> bool:
-    """Tensors of the checkpoint that are not part of the text model (vision tower, MTP head)."""
-    return name.startswith(SKIPPED_PREFIXES)
+def is_skipped(name: str, vision: bool = False) -> bool:
+    """Tensors of the checkpoint that are not part of the model: the MTP head, and the vision tower unless
+    the model has one (`vision`)."""
+    return name.startswith(MTP_PREFIX if vision else SKIPPED_PREFIXES)
 
 
 _FUSED_RE = re.compile(r"\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")

@@ -10,8 +10,8 @@ from typing import Any, Mapping
 
 ACTIVATIONS = ("gelu_pytorch_tanh",)  # the blocks' MLP activation (the merger's GELU is always exact erf)
 HF_MODEL_TYPE = "qwen3_5_vision"
-# Older checkpoints write the composite model's type into vision_config; transformers rewrites it to ours.
-_HF_MODEL_TYPES = (HF_MODEL_TYPE, "qwen3_5", "qwen3_5_moe")
+# The MoE tower is "qwen3_5_moe_vision" (the same modules); older checkpoints write the composite model's type.
+_HF_MODEL_TYPES = (HF_MODEL_TYPE, "qwen3_5_moe_vision", "qwen3_5", "qwen3_5_moe")
 
 
 @dataclass(frozen=True)
