@@ -19,10 +19,11 @@ A row that cannot be used raises `BadRow` with the reason; the caller adds the f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -98,40 +99,40 @@ def check_messages(messages: Any) -> list[str]:
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise BadRow(f"message {i} needs a string 'role' and a string 'content'")
-        try:
+        with _as_bad_row():
             paths += content_images(i, message.get("content"))
-        except BadContent as err:
-            raise BadRow(str(err)) from None
     return paths
 
 
-def _chat_messages(messages: list[dict]) -> list[dict]:
+@contextlib.contextmanager
+def _as_bad_row() -> Iterator[None]:
+    """image_rows' BadContent as a BadRow."""
     try:
-        return template_messages(messages)
+        yield
     except BadContent as err:
         raise BadRow(str(err)) from None
+
+
+def _chat_messages(messages: list[dict]) -> list[dict]:
+    with _as_bad_row():
+        return template_messages(messages)
 
 
 def _need_vision(paths: list[str], base_dir: str | None, processor: ImageProcessor | None) -> None:
     """BadRow naming the first image when there are images and no vision tower (no processor)."""
     if paths and processor is None:
-        try:
+        with _as_bad_row():
             row_images(paths, base_dir, None)
-        except BadContent as err:
-            raise BadRow(str(err)) from None
 
 
 def _with_images(tokens: np.ndarray, target: np.ndarray, tokenizer: Any, paths: list[str], base_dir: str | None,
-                 processor: ImageProcessor | None) -> tuple[np.ndarray, np.ndarray, RowImages]:
+                 processor: ImageProcessor) -> tuple[np.ndarray, np.ndarray, RowImages]:
     """(tokens [L], target mask [L]) of a rendered row with one pad per image -> expanded [L'], and the
     images; BadRow naming the path of an image that cannot be used."""
-    try:
+    with _as_bad_row():
         images = row_images(paths, base_dir, processor)
-        assert processor is not None
         tokens, target = expand_images(tokens, target, images.grids_thw, image_token_id(tokenizer),
                                        processor.merge_size)
-    except BadContent as err:
-        raise BadRow(str(err)) from None
     return tokens, target, images
 
 
