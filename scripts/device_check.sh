@@ -51,8 +51,10 @@ OUT="${OUT:-./device_check_out}"
 
 if [ "${SMOKE:-0}" = "1" ]; then  # the train stage's shapes: tiny in smoke mode, any backend
   shape=(--preset tiny --seq 128 --core-seq 128 --core-heads 2 --core-dim 16)
+  core_blocks=(64:4)  # one kernel block: each is a compile of the interpreted kernel, the flag is what is checked
 else
   shape=(--preset 0.8B --seq 8192 --core-seq 8192 --core-heads 16 --core-dim 128)
+  core_blocks=(64:4 32:4 16:4)
 fi
 bench=(scripts/bench/bench_train.py "${shape[@]}" --dtype bfloat16 --steps 3 --skip-torch --peak-tflops 989)
 
@@ -420,7 +422,7 @@ if [[ ",$STAGES," == *,train,* ]]; then
     # program, warps) of the chunk-state kernel; errors against the first (HIGHEST, the default blocks);
     # then the chunk-local part alone, its Pallas kernels against the XLA ops, at each precision
     [ "${GDN_CORE:-1}" = "1" ] && train --batch 1 --cores gdn gdn_local --cores-only --core-precisions highest default bf16 \
-      --core-scans pallas --core-kernel-blocks 64:4 32:4 16:4 --json "$OUT/gdn_core.json"
+      --core-scans pallas --core-kernel-blocks "${core_blocks[@]}" --json "$OUT/gdn_core.json"
     # four rows of 8192: what a larger step buys (fixed costs, occupancy)
     [ "${SMOKE:-0}" != "1" ] && [ "${TRAIN_B4:-1}" = "1" ] && train --batch 4 --json "$OUT/train_step_b4.json"
   fi

@@ -4,6 +4,7 @@ against NumPy float64."""
 
 import dataclasses
 import json
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -65,13 +66,13 @@ def test_grpo_runs_logs_its_metrics_resumes_exactly_and_learns(tmp_path):
     assert np.mean([r["reward_mean"] for r in rows[-2:]]) > np.mean([r["reward_mean"] for r in rows[:2]]) + 0.2
     assert (tmp_path / "full" / "reward.png").is_file()
     assert any(r.get("eval_reward") is not None for r in _metrics(tmp_path / "full"))
-    # stopped after step 4 (a checkpoint), resumed to 6: the same rewards and losses
-    assert train(_options(tmp_path, "resumed", steps=4)) == 0
-    assert train(_options(tmp_path, "resumed", steps=6)) == 0
+    # the run as if stopped after step 4 (its checkpoint), resumed to 6: the same rewards and losses
+    shutil.copytree(tmp_path / "full", tmp_path / "resumed")
+    shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "6")
+    assert train(_options(tmp_path, "resumed", steps=6, eval_data=[_files(tmp_path)[0]], eval_every=3)) == 0
     again = [r for r in _metrics(tmp_path / "resumed") if "loss" in r]
-    full4 = [r for r in _metrics(tmp_path / "full") if "loss" in r]
-    for a, b in zip(again, full4):
-        assert a["step"] == b["step"]
+    assert [r["step"] for r in again] == list(range(1, 7))  # steps 5-6 replace the ones after the checkpoint
+    for a, b in zip(again[4:], rows[4:], strict=True):
         np.testing.assert_allclose([a["reward_mean"], a["loss"]], [b["reward_mean"], b["loss"]], rtol=1e-5, atol=1e-7)
 
 

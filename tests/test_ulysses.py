@@ -205,7 +205,6 @@ def _boundary_segments(b, s, sp):
     ("fsdp=2,sp=4", 2, "pallas", None),  # the GPU default (interpreted here) inside shard_map, initial states too
     # long shards: two sweeps of 4-token tiles per 8-token shard (tile edges inside and between documents)
     ("fsdp=2,sp=4", 2, "auto", 4),
-    pytest.param("fsdp=2,sp=4", 2, "pallas", 4, marks=pytest.mark.slow),
     pytest.param("fsdp=1,sp=8", 1, "auto", None, marks=pytest.mark.slow),
 ])
 def test_gdn_state_passing_matches(layout, key_heads, scan, tile):
