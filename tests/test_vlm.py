@@ -352,3 +352,22 @@ def test_mesh_2x4_matches_single_device(vlm, mesh_2x4):
     np.testing.assert_allclose(np.asarray(got), single, atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(got), _ref(ref, tokens, grids, patches, positions), atol=LOGPROB_ATOL, rtol=0)
 
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=24)
+
+
+def test_moe_vlm_import_export_bit_exact(tmp_path):
+    """Qwen3_5MoeForConditionalGeneration (its vision_config's model_type is qwen3_5_moe_vision): the tower
+    and the experts imported, and exported back bit for bit."""
+    config = tf.Qwen3_5MoeConfig(text_config={**TEXT, **MOE}, vision_config=VISION, **IDS)
+    model = tf.Qwen3_5MoeForConditionalGeneration._from_config(config)
+    _init(model)
+    src = str(tmp_path / "hf")
+    model.float().save_pretrained(src)
+    ours, cfg, ckpt = load_hf(src, text_only=False)
+    assert cfg.is_moe and cfg.vision.depth == 2 and cfg.hf_model_type == "qwen3_5_moe"
+    assert ours.visual is not None and not ckpt.skipped
+    out = str(tmp_path / "back")
+    export_hf(nnx.state(ours, nnx.Param), cfg, out, layout=ckpt.layout, hf_config=ckpt.raw_config)
+    assert all_tensors(out) == all_tensors(src)
