@@ -3,6 +3,13 @@
 Rows (prompt x sample) go in batches, longest first; each batch is padded to the mesh (rows to a
 multiple of fsdp * sp, prompt length to a multiple of 16 * sp, padding rows never sampled) and run
 as one prefill and one decode loop (`programs.py`). Results come back in input order.
+
+Prompts with images (a VLM): `images[i]` holds prompt i's images (patches [P, patch_dim], grids [N, 3],
+as `PromptEncoder.encode_with_images` gives them) in the order of its image-pad runs, the pads already
+expanded. A batch holding any image runs the vision programs: the rows' mrope positions and the
+batch's images (every row's, row after row, a prompt's repeated for each of its samples) go into the
+prefill, and each row decodes from its own next_position (`data/mrope.py`). A batch without images,
+and every call without `images`, runs the text programs unchanged.
 """
 
 from __future__ import annotations
@@ -19,12 +26,14 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from tqdm import tqdm
 
+from qwen35_jax.data.mrope import mrope_positions
 from qwen35_jax.generation.cache import describe_cache
 from qwen35_jax.generation.programs import programs
 from qwen35_jax.generation.sampling import SamplingOptions
 from qwen35_jax.parallel.mesh import SP, mesh_axis_size, rows_spec
 from qwen35_jax.parallel.padding import padded_size
 from qwen35_jax.parallel.processes import gather_values
+from qwen35_jax.vision.inputs import VisionInputs, build_vision_inputs, check_vision_tokens, count_placeholders
 
 PROMPT_MULTIPLE = 16  # prompt lengths are padded to a multiple of this (times sp): fewer compiled shapes
 
@@ -81,6 +90,76 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tok
     return arrays
 
 
+@dataclasses.dataclass(frozen=True)
+class PromptVision:
+    """What a prompt with images adds to its tokens."""
+
+    images: list[tuple[np.ndarray, tuple[int, int, int]]]  # (patches [t*h*w, patch_dim], grid) per image
+    positions: np.ndarray  # [3, L] int32 mrope positions of the prompt
+    next_position: int  # the first generated token's position (all three axes)
+
+
+def check_images(arrays: Sequence[np.ndarray], images: Sequence[Any] | None, config: Any
+                 ) -> list[PromptVision | None]:
+    """Each prompt's images checked against its tokens -> `PromptVision` (None: a text prompt); one-line
+    ValueError naming the first bad prompt. `images` None: every prompt is text."""
+    if images is None:
+        images = [None] * len(arrays)
+    elif isinstance(images, (str, bytes)) or not isinstance(images, Sequence) or len(images) != len(arrays):
+        raise ValueError(f"images must be a list with one entry (None or (patches, grids)) per prompt; got "
+                         f"{len(images) if isinstance(images, Sequence) else type(images).__name__} for "
+                         f"{len(arrays)} prompts")
+    out: list[PromptVision | None] = []
+    for i, (ids, row_images) in enumerate(zip(arrays, images)):
+        if row_images is None or len(row_images[1]) == 0:
+            if config.vision is not None and count_placeholders(ids, config):
+                raise ValueError(f"prompt {i}: holds {count_placeholders(ids, config)} image/video placeholder "
+                                 f"tokens but no images were given")
+            out.append(None)
+            continue
+        if config.vision is None:
+            raise ValueError(f"prompt {i}: has images but the model has no vision tower")
+        patches, grids = row_images[0], np.asarray(row_images[1])
+        if grids.ndim != 2 or grids.shape[1] != 3:
+            raise ValueError(f"prompt {i}: image grids must be [N, 3] (t, h, w), got shape {grids.shape}")
+        starts = np.cumsum([0] + [int(np.prod(g)) for g in grids])
+        if np.ndim(patches) != 2 or np.shape(patches) != (starts[-1], config.vision.patch_dim):
+            raise ValueError(f"prompt {i}: image patches have shape {np.shape(patches)}, expected "
+                             f"({starts[-1]}, {config.vision.patch_dim}) for grids {grids.tolist()}")
+        try:
+            positions, next_position = mrope_positions(
+                ids, grids, image_token_id=config.image_token_id, video_token_id=config.video_token_id,
+                merge_size=config.vision.spatial_merge_size)
+        except ValueError as err:
+            raise ValueError(f"prompt {i}: {err}") from None
+        out.append(PromptVision(images=[(np.asarray(patches[a:b]), tuple(int(x) for x in g))
+                                        for a, b, g in zip(starts[:-1], starts[1:], grids)],
+                                positions=positions, next_position=next_position))
+    return out
+
+
+def vision_batch(tokens: np.ndarray, lengths: np.ndarray, vision: Sequence[PromptVision | None], config: Any
+                 ) -> tuple[np.ndarray, VisionInputs, np.ndarray]:
+    """The vision inputs of a batch whose row j holds prompt row `vision[j]` (None: text or padding):
+    (positions [B, 3, S] int32, the images of every row in row order, offsets [B] int32 =
+    next_position - prompt length). Padding slots continue each row's positions."""
+    b, s = tokens.shape
+    positions = np.broadcast_to(np.arange(s, dtype=np.int32), (b, 3, s)).copy()
+    offsets = np.zeros((b,), np.int32)
+    images: list[tuple[np.ndarray, tuple[int, int, int]]] = []
+    for j, row in enumerate(vision):
+        if row is None:
+            continue
+        n = int(lengths[j])
+        positions[j, :, :n] = row.positions
+        positions[j, :, n:] = row.next_position + np.arange(s - n, dtype=np.int32)
+        offsets[j] = row.next_position - n
+        images += row.images
+    inputs = build_vision_inputs(images, config.vision)
+    check_vision_tokens(np.where(np.arange(s)[None] < lengths[:, None], tokens, -1), inputs, config)
+    return positions, inputs, offsets
+
+
 def generate(
     model: nnx.Module,
     prompts: Sequence[Sequence[int]],
@@ -98,6 +177,7 @@ def generate(
     first_row: int = 0,
     progress: bool = False,
     stats: GenerationStats | None = None,
+    images: Sequence[Any] | None = None,
 ) -> list[Completion]:
     """Sample `num_samples` completions of every prompt (token-id lists) from `model`.
 
@@ -107,6 +187,9 @@ def generate(
     the model's own devices. `batch_size` rows (prompt x sample) run at a time (None: all).
     `first_row` offsets the prompt index the random keys use (a shard of a larger input). Returns
     one `Completion` per (prompt, sample), prompt-major.
+
+    `images` (a VLM): one entry per prompt, None or (patches [P, patch_dim], grids_thw [N, 3]) of its
+    images in placeholder order (`RowImages`); its image pads must be expanded to the grids already.
 
     In a multi-process run each process passes its own prompts (as many as every other process) and
     gets its own completions; the rows are split over the devices of each process."""
@@ -121,6 +204,9 @@ def generate(
     if stop.size and (stop.min() < 0 or stop.max() >= config.vocab_size):
         raise ValueError(f"stop token ids {stop.tolist()} must lie in [0, {config.vocab_size})")
     stats = GenerationStats() if stats is None else stats
+    vision = check_images(arrays, images, config)
+    if any(v is not None for v in vision) and jax.process_count() > 1:
+        raise ValueError("prompts with images are not supported in a multi-process run yet")
 
     rows = [(i, s) for i in range(len(arrays)) for s in range(num_samples)]
     order = sorted(range(len(rows)), key=lambda r: -arrays[rows[r][0]].size)  # longest first: less padding
@@ -146,13 +232,21 @@ def generate(
             prompt_ids[j], samples[j] = first_row + rows[r][0], rows[r][1]
         active = np.arange(b) < len(batch)
         stats.cache = describe_cache(config, b, s + max_new_tokens - 1)
+        rows_vision = [vision[rows[r][0]] for r in batch]
         with _mesh_context(mesh):
             start = time.perf_counter()
-            logits, cache = prefill_fn(state, _put(tokens, mesh), _put(lengths, mesh))
+            if any(v is not None for v in rows_vision):
+                positions, inputs, offsets = vision_batch(tokens, lengths, rows_vision, config)
+                logits, cache = prefill_fn(state, _put(tokens, mesh), _put(lengths, mesh), _put(positions, mesh),
+                                           _replicated(inputs, mesh))
+                extra = (_put(offsets, mesh),)
+            else:  # the text programs
+                logits, cache = prefill_fn(state, _put(tokens, mesh), _put(lengths, mesh))
+                extra = ()
             jax.block_until_ready(logits)
             middle = time.perf_counter()
             out = decode_fn(state, logits, cache, *(_put(x, mesh) for x in (prompt_ids, samples, active)),
-                            np.asarray(stop), np.int32(seed))
+                            np.asarray(stop), np.int32(seed), *extra)
             tokens_out, log_probs, generated, stopped = (_local_rows(x) for x in
                                                          (out.tokens, out.log_probs, out.generated, out.stopped))
             end = time.perf_counter()
@@ -208,6 +302,14 @@ def _put(x: np.ndarray, mesh: Mesh | None) -> Any:
     if jax.process_count() == 1:
         return jax.device_put(x, sharding)
     return jax.make_array_from_process_local_data(sharding, x, (x.shape[0] * jax.process_count(), *x.shape[1:]))
+
+
+def _replicated(tree: Any, mesh: Mesh | None) -> Any:
+    """Arrays every device of `mesh` holds whole (the batch's images: the model finds their rows on the
+    whole batch)."""
+    if mesh is None:
+        return tree
+    return jax.device_put(tree, NamedSharding(mesh, jax.sharding.PartitionSpec()))
 
 
 def _local_rows(x: jax.Array) -> np.ndarray:

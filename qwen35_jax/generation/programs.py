@@ -5,6 +5,10 @@
   `forward.decode_step` on it, until every row has stopped or `max_new_tokens` tokens are out. No
   host round trip per token and never more than [B, V] logits at once.
 
+With images (a VLM), prefill also takes the rows' mrope positions and the batch's `VisionInputs`, and
+decode each row's position offset (`forward.py`); text-only calls pass None for them, which traces the
+same programs as before these arguments existed.
+
 Both run the model config's kernel choices, as the train step does. Programs are kept per
 (graph, kernels, options, mesh), so generating again (an RL step) compiles nothing new for the
 same shapes.
@@ -38,19 +42,25 @@ class DecodeOutput:
 @functools.lru_cache(maxsize=16)
 def programs(graphdef: Any, options: SamplingOptions, max_new_tokens: int, mesh: Any
              ) -> tuple[Callable[..., Any], Callable[..., Any]]:
-    """(prefill(state, tokens [B, S], lengths [B]) -> (logits [B, V], cache),
-    decode(state, logits, cache, rows, samples, active [B], stop_ids [n], seed) -> DecodeOutput).
+    """(prefill(state, tokens [B, S], lengths [B], positions [B, 3, S] | None, vision | None)
+    -> (logits [B, V], cache),
+    decode(state, logits, cache, rows, samples, active [B], stop_ids [n], seed, offsets [B] | None)
+    -> DecodeOutput). Positions come row-major ([B, 3, S], split over rows like the tokens) and are
+    turned into the model's [3, B, S] inside.
     `mesh` is part of the key only, so that a program compiled for one mesh is not reused on another."""
     del mesh
 
-    def prefill_program(state: nnx.State, tokens: jax.Array, lengths: jax.Array) -> tuple[jax.Array, HybridCache]:
+    def prefill_program(state: nnx.State, tokens: jax.Array, lengths: jax.Array, positions: jax.Array | None = None,
+                        vision: Any = None) -> tuple[jax.Array, HybridCache]:
         model = nnx.merge(graphdef, state)
-        hidden, cache = prefill(model, tokens, lengths, tokens.shape[1] + max_new_tokens - 1)
+        if positions is not None:
+            positions = jnp.moveaxis(positions, 1, 0)  # [B, 3, S] -> [3, B, S]
+        hidden, cache = prefill(model, tokens, lengths, tokens.shape[1] + max_new_tokens - 1, positions, vision)
         return constrain(model.logits(hidden), rows_spec(2)), cache
 
     def decode_program(state: nnx.State, logits: jax.Array, cache: HybridCache, rows: jax.Array,
-                       samples: jax.Array, active: jax.Array, stop_ids: jax.Array, seed: jax.Array
-                       ) -> DecodeOutput:
+                       samples: jax.Array, active: jax.Array, stop_ids: jax.Array, seed: jax.Array,
+                       offsets: jax.Array | None = None) -> DecodeOutput:
         b, n = logits.shape[0], max_new_tokens
 
         def advance(state: nnx.State, token: jax.Array, cache: HybridCache, grows: jax.Array
@@ -58,7 +68,7 @@ def programs(graphdef: Any, options: SamplingOptions, max_new_tokens: int, mesh:
             # the parameters come in as operands of the loop: nnx refuses modules whose arrays belong
             # to an outer trace
             model = nnx.merge(graphdef, state)
-            hidden, cache = decode_step(model, token, cache, grows)
+            hidden, cache = decode_step(model, token, cache, grows, offsets)
             return constrain(model.logits(hidden), rows_spec(2)), cache
 
         def record(step: jax.Array, logits: jax.Array, done: jax.Array, outputs: tuple[jax.Array, ...]
