@@ -4,7 +4,11 @@
     python scripts/generate.py --model DIR --prompts IN.jsonl --out OUT.jsonl \
         [--max-new-tokens 256] [--temperature 1.0] [--top-k K] [--top-p P] [--seed S] [--num-samples N] \
         [--stop-token-ids 1,2] [--mesh fsdp=F,sp=S] [--batch-size R] [--tokenizer DIR] \
-        [--chat-template-kwargs '{"enable_thinking": false}'] [--max-length L] [--dtype bfloat16]
+        [--chat-template-kwargs '{"enable_thinking": false}'] [--max-length L] [--dtype bfloat16] \
+        [--min-pixels N] [--max-pixels N]
+
+'messages' rows may hold image parts ({"type": "image", "image": "rel/path.png"}, relative to the
+JSONL's folder) for a checkpoint with a vision tower.
 
 See docs/generation.md.
 """

@@ -4,6 +4,12 @@ Each output row is its input row plus `sample`, `completion_ids`, `log_probs`, `
 with a tokenizer, `completion`; `--num-samples n` writes n rows per prompt, prompt-major. Every input
 is checked before the model loads where it can be, and the output file appears only once it is
 complete.
+
+A 'messages' row may hold image parts (`{"type": "image", "image": PATH}`, PATH relative to the JSONL's
+folder) for a checkpoint with a vision tower: the images are processed by the checkpoint's image
+processor (its preprocessor_config.json, else Qwen3.5's settings for the tower), sized by
+--min-pixels/--max-pixels, and the model answers with them. Before the model loads, an image row for a
+model without a tower, or an image file that is not there, is one error line naming the row.
 """
 
 from __future__ import annotations
@@ -45,6 +51,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="JSON object passed to the chat template, e.g. '{\"enable_thinking\": false}'")
     p.add_argument("--dtype", choices=RUN_DTYPES, default=None,
                    help="parameter and compute dtype (default: as stored)")
+    p.add_argument("--min-pixels", type=int, default=None,
+                   help="images smaller than this many pixels are upscaled (default: the checkpoint's processor)")
+    p.add_argument("--max-pixels", type=int, default=None,
+                   help="images larger than this many pixels are downscaled (default: the checkpoint's processor)")
     return p.parse_args(argv)
 
 
@@ -55,6 +65,11 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.batch_size is not None and args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    for name in ("min_pixels", "max_pixels"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
+        raise ValueError(f"--min-pixels {args.min_pixels} exceeds --max-pixels {args.max_pixels}")
     from qwen35_jax.generation.prompts import parse_chat_template_kwargs, parse_stop_token_ids
     from qwen35_jax.generation.sampling import SamplingOptions
 
@@ -64,6 +79,92 @@ def check_options(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--out {args.out} is a directory")
     SamplingOptions(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
     return parse_chat_template_kwargs(args.chat_template_kwargs)
+
+
+def image_rows(rows: list[dict[str, Any]], prompts: str) -> dict[int, list[str]]:
+    """{row number: its image paths} of the 'messages' rows with image parts; a malformed conversation
+    is a one-line ValueError naming the row."""
+    from qwen35_jax.data.rows import BadRow, check_messages
+
+    found = {}
+    for number, row in enumerate(rows, 1):
+        if not isinstance(row, dict) or "messages" not in row:
+            continue
+        try:
+            paths = check_messages(row["messages"])
+        except BadRow as err:
+            raise ValueError(f"{prompts} row {number}: {err}") from None
+        if paths:
+            found[number] = paths
+    return found
+
+
+def model_vision(model_path: str) -> Any:
+    """The checkpoint's vision tower config (None: no tower), read without loading its weights."""
+    from qwen35_jax.checkpoint import is_checkpoint, is_hf_dir, read_metadata, resolve_checkpoint
+    from qwen35_jax.config import Qwen35Config
+
+    path = resolve_checkpoint(model_path)
+    if is_checkpoint(path):
+        return Qwen35Config(**read_metadata(path)["config"]).vision
+    if is_hf_dir(path):
+        from qwen35_jax.hf.load import read_hf_config
+
+        return read_hf_config(path)[1].vision
+    return None
+
+
+def check_images(images: dict[int, list[str]], prompts: str, model_path: str) -> Any:
+    """For prompt rows with images: the model's vision config; one-line ValueError naming the first row
+    when the model has no vision tower or an image file is missing (before the model loads)."""
+    from qwen35_jax.data.images import resolve_image_path
+
+    if not images:
+        return None
+    vision = model_vision(model_path)
+    base_dir = os.path.dirname(os.path.abspath(prompts))
+    for number, paths in images.items():
+        if vision is None:
+            raise ValueError(f"{prompts} row {number}: image {paths[0]}: the model {model_path} has no vision "
+                             f"tower, so prompts with images cannot be answered")
+        for path in paths:
+            full = resolve_image_path(path, base_dir)
+            if not os.path.isfile(full):
+                raise ValueError(f"{prompts} row {number}: image {full}: file not found")
+    return vision
+
+
+def image_processor(model_path: str, tokenizer_dir: str | None, vision: Any, min_pixels: int | None,
+                    max_pixels: int | None) -> tuple[Any, str]:
+    """(the `ImageProcessor` for `vision`, where its settings came from): the preprocessor_config.json of
+    the checkpoint, its tokenizer directory or its run's --model, else Qwen3.5's settings for the tower."""
+    from qwen35_jax.data.images import PREPROCESSOR_CONFIG, ImageProcessor
+    from qwen35_jax.generation.prompts import run_dir_of, run_options
+
+    candidates = [model_path, tokenizer_dir]
+    run = run_dir_of(model_path)
+    if run is not None:
+        candidates.append(run_options(run).get("model"))
+    for directory in filter(None, candidates):
+        if os.path.isfile(os.path.join(directory, PREPROCESSOR_CONFIG)):
+            processor = ImageProcessor.from_pretrained(directory, min_pixels=min_pixels, max_pixels=max_pixels,
+                                                       vision=vision)
+            return processor, os.path.join(directory, PREPROCESSOR_CONFIG)
+    return (ImageProcessor.from_vision_config(vision, min_pixels=min_pixels, max_pixels=max_pixels),
+            "Qwen3.5 defaults")
+
+
+def load_generation_model(model_path: str, dtype: str | None, mesh: Any, vision: bool) -> tuple[Any, Any]:
+    """`load_model`, with an HF checkpoint's vision tower when `vision` (prompts with images)."""
+    from qwen35_jax.checkpoint import is_checkpoint, is_hf_dir, load_model, resolve_checkpoint
+
+    path = resolve_checkpoint(model_path)
+    if vision and not is_checkpoint(path) and is_hf_dir(path):
+        from qwen35_jax.hf.load import load_hf
+
+        model, config, _ = load_hf(path, dtype=dtype, mesh=mesh, text_only=False)
+        return model, config
+    return load_model(model_path, dtype=dtype, mesh=mesh)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -81,23 +182,30 @@ def run(args: argparse.Namespace) -> int:
                 field = "prompt" if "prompt" in row else "messages"
                 raise ValueError(f"{args.prompts} row {number}: a '{field}' row needs a tokenizer (--tokenizer); "
                                  f"none was found with {args.model}")
+    with_images = image_rows(rows, args.prompts)
+    vision = check_images(with_images, args.prompts, args.model)
+    processor, processor_source = None, ""
+    if vision is not None:
+        processor, processor_source = image_processor(args.model, tokenizer_dir, vision, args.min_pixels,
+                                                      args.max_pixels)
 
     import jax
 
-    from qwen35_jax.checkpoint import load_model
     from qwen35_jax.generation import GenerationStats, describe_cache, generate
     from qwen35_jax.parallel.mesh import make_mesh
 
     mesh = make_mesh(args.mesh)
-    model, config = load_model(args.model, dtype=args.dtype, mesh=mesh)
+    model, config = load_generation_model(args.model, args.dtype, mesh, vision is not None)
     encoder = PromptEncoder(tokenizer, config.vocab_size, chat_template_kwargs=chat_kwargs,
-                            tokenizer_source=tokenizer_dir)
-    prompts = []
+                            tokenizer_source=tokenizer_dir, image_processor=processor)
+    base_dir = os.path.dirname(os.path.abspath(args.prompts))
+    prompts, images = [], []
     for number, row in enumerate(rows, 1):
         try:
-            ids = encoder.encode(row)
+            ids, row_images = encoder.encode_with_images(row, base_dir)
         except BadRow as err:
             raise ValueError(f"{args.prompts} row {number}: {err}") from None
+        images.append(row_images)
         if args.max_length is not None and len(ids) + args.max_new_tokens > args.max_length:
             raise ValueError(f"{args.prompts} row {number}: its {len(ids)} prompt tokens + --max-new-tokens "
                              f"{args.max_new_tokens} exceed --max-length {args.max_length}")
@@ -107,11 +215,16 @@ def run(args: argparse.Namespace) -> int:
     batch = args.batch_size or len(prompts) * args.num_samples
     print(f"{len(prompts)} prompts x {args.num_samples} samples on mesh {dict(mesh.shape)}, stop ids {stop}; "
           f"{describe_cache(config, min(batch, len(prompts) * args.num_samples), longest)}", flush=True)
+    if processor is not None:
+        print(f"{len(with_images)} prompts with {sum(len(p) for p in with_images.values())} images, "
+              f"{min(processor.min_pixels, processor.max_pixels):,}..{processor.max_pixels:,} pixels each "
+              f"(image processor: {processor_source})", flush=True)
     stats = GenerationStats()
     start = time.perf_counter()
     completions = generate(model, prompts, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, stop_token_ids=stop, mesh=mesh,
-                           num_samples=args.num_samples, batch_size=args.batch_size, progress=True, stats=stats)
+                           num_samples=args.num_samples, batch_size=args.batch_size, progress=True, stats=stats,
+                           images=images if with_images else None)
     lines = []
     for c in completions:
         out = {**rows[c.prompt_index], "sample": c.sample, "completion_ids": c.completion_ids,
