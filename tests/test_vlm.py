@@ -171,6 +171,39 @@ def test_logprobs_match_transformers_float64(vlm, case):
         assert np.abs(wrong - want).max() > 1.0
 
 
+def test_image_and_video_in_one_row_match_transformers(vlm):
+    """An image, then a 2-frame video (timestamp text before each frame): one VisionInputs holds both in
+    placeholder order; transformers takes them as pixel_values and pixel_values_videos."""
+    from qwen35_jax.data.mrope import expand_video_placeholders
+
+    _, model, cfg, ref = vlm
+    rng = np.random.default_rng(7)
+    image, video = (1, 2, 4), (2, 2, 4)
+    head = _row(rng, [3, image, 2]) + [START, VIDEO, END] + rng.integers(0, 100, 3).tolist()
+    tokens = np.asarray([expand_video_placeholders(head, [video], [[0.5, 1.5]], video_token_id=VIDEO,
+                                                   vision_start_id=START, vision_end_id=END, merge_size=2,
+                                                   encode=lambda text: [ord(c) % 100 for c in text])], np.int32)
+    assert (tokens == VIDEO).sum() == 4 and (tokens == IMAGE).sum() == 2
+    positions = mrope_positions(tokens[0], [image], video_grids_thw=[video], image_token_id=IMAGE,
+                                video_token_id=VIDEO, merge_size=2)[0][:, None]  # [3, 1, S]
+    patches = rng.standard_normal((8 + 16, 96))
+    vision = build_vision_inputs([(patches[:8], image), (patches[8:], video)], cfg.vision)
+    check_vision_tokens(tokens, vision, cfg)
+    got = np.asarray(_logprobs(model, jnp.asarray(tokens), jnp.asarray(positions), vision))
+    ids = torch.from_numpy(tokens).long()
+    types = torch.from_numpy((tokens == IMAGE) + 2 * (tokens == VIDEO)).long()
+    with torch.no_grad():
+        pos, _ = ref.model.get_rope_index(ids, types, image_grid_thw=torch.tensor([image]),
+                                          video_grid_thw=torch.tensor([video]))
+    np.testing.assert_array_equal(pos.numpy(), positions)
+    with torch.no_grad(), torch_float64():
+        want = torch.log_softmax(ref(input_ids=ids, position_ids=pos, pixel_values=torch.from_numpy(patches[:8]),
+                                     image_grid_thw=torch.tensor([image]),
+                                     pixel_values_videos=torch.from_numpy(patches[8:]),
+                                     video_grid_thw=torch.tensor([video])).logits, -1).numpy()
+    np.testing.assert_allclose(got, want, atol=LOGPROB_ATOL, rtol=0)
+
+
 def test_gradient_of_tower_weights_matches_torch_autograd(vlm):
     _, model, cfg, ref = vlm
     tokens, grids, positions, patches = _batch(CASES["two_rows"], seed=1)
