@@ -142,6 +142,43 @@ def test_gradients_match_torch_autograd(pair):
     _close(g_patch, hf.patch_embed.proj.weight.grad.numpy().reshape(CFG.hidden_size, -1).T)
 
 
+def test_rows_split_over_the_mesh_match_hf_and_each_device_holds_a_share(pair, mesh_2x4):
+    """On fsdp=2 x sp=4 the bucket's rows (104 patches, padded to 128 = 8 devices x 4 merge windows of
+    4) split over all 8 devices: outputs and gradients are transformers' in float64, and the compiled
+    attention computes [H, P/8, P] scores per device, never the whole [H, P, P]."""
+    from qwen35_jax.parallel.mesh import shard_model
+
+    ours, hf = pair
+    x = _patches(104, seed=2)
+    weights = np.random.default_rng(3).standard_normal((26, CFG.out_hidden_size))
+    lay = vision_layout(MANY, CFG)
+    graphdef, params = nnx.split(ours)
+
+    def scalar(params, patches):
+        return jnp.sum(nnx.merge(graphdef, params)(patches, *(jnp.asarray(a) for a in lay[:4])) * weights)
+
+    with jax.enable_x64(True), jax.set_mesh(mesh_2x4):
+        sharded = nnx.split(shard_model(nnx.merge(graphdef, params), mesh_2x4))[1]
+        fn = jax.jit(jax.value_and_grad(scalar, argnums=(0, 1)))
+        hlo = fn.lower(sharded, jnp.asarray(x)).compile().as_text()
+        value, (g_params, g_x) = fn(sharded, jnp.asarray(x))
+        value, g_x = float(value), np.asarray(g_x)
+        g_qkv = np.asarray(g_params["blocks"]["attn"]["qkv"]["kernel"][...])  # [depth, D, 3D]
+    hf.zero_grad()
+    xt = torch.from_numpy(x).requires_grad_(True)
+    with torch_float64():
+        out = hf(xt, grid_thw=torch.tensor(MANY)).pooler_output
+        total = (out * torch.from_numpy(weights)).sum()
+        total.backward()
+    assert abs(value - total.item()) < RTOL * out.detach().abs().sum().item()
+    _close(g_x, xt.grad.numpy())
+    for i in range(CFG.depth):
+        _close(g_qkv[i], hf.blocks[i].attn.qkv.weight.grad.numpy().T)
+    heads = CFG.num_heads
+    assert f"f64[{heads},16,128]" in hlo and f"f64[{heads},128,128]" not in hlo  # 128 / 8 query rows a device
+    assert "all-gather" in hlo
+
+
 def test_float32_and_bfloat16_towers_track_the_float64_truth(pair):
     # the same weights rounded to float32 (norms, rotary and softmax in float32): measured 4.3e-7 of the
     # largest output through two blocks; 1e-5 leaves 20x headroom, while rows and cols swapped in the

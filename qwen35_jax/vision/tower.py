@@ -26,6 +26,7 @@ import numpy as np
 from flax import nnx
 
 from qwen35_jax.layers.linear import Linear
+from qwen35_jax.parallel.patches import attend_all_keys, constrain_rows, pad_rows, patch_shards
 from qwen35_jax.vision.config import VisionConfig
 
 INIT = nnx.initializers.normal(0.02)  # transformers' initializer_range
@@ -105,13 +106,20 @@ class VisionAttention(nnx.Module):
         q, k, v = qkv[:, 0], qkv[:, 1], qkv[:, 2]  # [P, H, Dh] each
         q = apply_rope(q, cos, sin).astype(x.dtype)  # [P, H, Dh]
         k = apply_rope(k, cos, sin).astype(x.dtype)  # [P, H, Dh]
-        acc = math_dtype(x.dtype)
-        scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=acc) * (self.head_dim ** -0.5)  # [H, P, P]
-        same = segment_ids[:, None] == segment_ids[None, :]  # [P, P]
-        scores = jnp.where(same[None], scores, jnp.finfo(acc).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(x.dtype)  # [H, P, P]
-        out = jnp.einsum("hqk,khd->qhd", probs, v, preferred_element_type=acc).astype(x.dtype)  # [P, H, Dh]
+        out = attend_all_keys(frame_attention, q, k, v, segment_ids)  # [P, H, Dh], rows split over the mesh
         return self.proj(out.reshape(p, -1))  # [P, D]
+
+
+def frame_attention(q: jax.Array, k: jax.Array, v: jax.Array, q_segments: jax.Array,
+                    k_segments: jax.Array) -> jax.Array:
+    """Softmax attention of q [Pq, H, Dh] over k, v [Pk, H, Dh], each query masked to the keys of its
+    segment (q_segments [Pq], k_segments [Pk]); scores and sums in `math_dtype` -> [Pq, H, Dh]."""
+    acc = math_dtype(q.dtype)
+    scores = jnp.einsum("qhd,khd->hqk", q, k, preferred_element_type=acc) * (q.shape[-1] ** -0.5)  # [H, Pq, Pk]
+    same = q_segments[:, None] == k_segments[None, :]  # [Pq, Pk]
+    scores = jnp.where(same[None], scores, jnp.finfo(acc).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(q.dtype)  # [H, Pq, Pk]
+    return jnp.einsum("hqk,khd->qhd", probs, v, preferred_element_type=acc).astype(q.dtype)  # [Pq, H, Dh]
 
 
 class VisionMLP(nnx.Module):
@@ -196,17 +204,21 @@ class VisionTower(nnx.Module):
                                  ("interp_index", interp_index, (p, 4)), ("interp_weight", interp_weight, (p, 4))):
             if arr.shape != shape:
                 raise ValueError(f"{name} must have shape {shape}, got {arr.shape}")
-        x = self.patch_embed(patches.astype(self.dtype))  # [P, D]
+        # on a mesh the rows are split over every device, each holding whole merge windows
+        # (parallel/patches.py): padding rows (segment 0) up to a multiple of devices x merge_unit
+        patches, segment_ids, rope_rows_cols, interp_index, interp_weight = (constrain_rows(a) for a in pad_rows(
+            (patches, segment_ids, rope_rows_cols, interp_index, interp_weight), patch_shards() * cfg.merge_unit))
+        x = constrain_rows(self.patch_embed(patches.astype(self.dtype)))  # [P', D]
         acc = math_dtype(self.dtype)
         taps = jnp.take(self.pos_embed.embedding[...].astype(self.dtype), interp_index, axis=0)  # [P, 4, D]
         # the 4 taps weighted and summed in the math dtype, as transformers' float32 weights promote them
         pos = jnp.einsum("pkd,pk->pd", taps, interp_weight.astype(acc), preferred_element_type=acc)  # [P, D]
-        x = x + pos.astype(self.dtype)  # [P, D]
-        cos, sin = rope_cos_sin(rope_rows_cols, cfg, acc)  # [P, Dh] each
+        x = constrain_rows(x + pos.astype(self.dtype))  # [P', D]
+        cos, sin = (constrain_rows(a) for a in rope_cos_sin(rope_rows_cols, cfg, acc))  # [P', Dh] each
 
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
         def run(block: VisionBlock, x: jax.Array) -> jax.Array:
-            return block(x, cos, sin, segment_ids)
+            return constrain_rows(block(x, cos, sin, segment_ids))
 
-        x = run(self.blocks, x)  # [P, D]
-        return self.merger(x)  # [P / mu, out_hidden_size]
+        x = run(self.blocks, x)  # [P', D]
+        return constrain_rows(self.merger(x))[: p // cfg.merge_unit]  # [P / mu, out_hidden_size]
