@@ -189,3 +189,21 @@ def test_bad_image_inputs_are_one_line_errors(vlm):
         generate(model, prompts, max_new_tokens=2, images=[(images[0][0][:23], images[0][1])])
     with pytest.raises(ValueError, match="^images must be a list with one entry"):
         generate(model, prompts, max_new_tokens=2, images=images * 2)
+
+
+def test_image_prompts_on_a_mesh_equal_one_device(vlm, mesh_2x4):
+    """fsdp=2, sp=4, every parameter ZeRO-3 split: the prompts' sequences split over sp in the prefill (the
+    images' rows found on the whole batch), the decode rows over all eight devices, each with its offset; two
+    samples per prompt (6 rows padded to 8, each sample's row with its prompt's images)."""
+    from qwen35_jax.parallel.mesh import shard_model
+
+    model, _, _ = vlm
+    prompts, images = _case(5, [[4, (1, 4, 6), 3], [6], [2, (1, 8, 4), 9, (1, 2, 2), 1]])
+    kw = dict(max_new_tokens=4, temperature=1.0, seed=2, num_samples=2, images=images)  # images repeat per sample
+    one = generate(model, prompts, **kw)
+    graphdef, state = nnx.split(model)
+    sharded = shard_model(nnx.merge(graphdef, jax.tree.map(jnp.copy, state)), mesh_2x4)
+    got = generate(sharded, prompts, mesh=mesh_2x4, **kw)
+    for g, o in zip(got, one):
+        assert g.completion_ids == o.completion_ids
+        np.testing.assert_allclose(g.log_probs, o.log_probs, atol=SAME_MODEL_ATOL, rtol=0)
