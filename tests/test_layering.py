@@ -35,7 +35,12 @@ def test_parallel_never_imports_the_layers_or_the_model():
 
 
 def test_library_imports_no_torch_and_no_pallas():
-    assert offenders(LIBRARY, ("torch", "jax.experimental.pallas", "transformers.models")) == []
+    """No PyTorch modelling code in the library; a checkpoint's image processor (transformers' PIL and
+    NumPy code, `transformers.models.<model>.image_processing_*`) is the one part of a model folder it reads."""
+    found = offenders(LIBRARY, ("torch", "jax.experimental.pallas", "transformers.models"))
+    image_processors = [f for f in found if f.split(" imports ")[1].startswith("transformers.models.")
+                        and any(part.startswith("image_processing") for part in f.split(" imports ")[1].split("."))]
+    assert [f for f in found if f not in image_processors] == []
 
 
 def test_layers_import_no_runtime():
