@@ -94,7 +94,7 @@ def build_models(args: argparse.Namespace):
 
         from qwen35_jax.model import Qwen35ForCausalLM
 
-        config = Qwen35Config.preset(args.preset, dtype=args.dtype)
+        config = Qwen35Config.preset(args.preset, dtype=args.dtype).text_only()  # text prompts
         return Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), None, config
     config = build_config(SMALL, None, args.dtype)
     import torch

@@ -48,7 +48,7 @@ def make_checkpoint(directory: str, preset: str, dtype: str, max_shard_bytes: in
     from qwen35_jax.hf import names as N
     from qwen35_jax.hf.safetensors_io import DTYPE_TO_NP, TensorToWrite, write_checkpoint
 
-    config = Qwen35Config.preset(preset, param_dtype=dtype)
+    config = Qwen35Config.preset(preset, param_dtype=dtype).text_only()  # the text model's tensors, as measured before
     layout = N.Layout.default(config)
     tensors = []
     for entry in N.build_table(config, layout):

@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     from qwen35_jax.config import Qwen35Config
 
     sps = [int(s) for s in args.sp.split(",")]
-    base = Qwen35Config.preset(args.preset)
+    base = Qwen35Config.preset(args.preset).text_only()  # text batches
     if args.layers % base.block_period:
         raise ValueError(f"--layers {args.layers} is not a multiple of the block period {base.block_period}")
     if max(sps) > jax.device_count():

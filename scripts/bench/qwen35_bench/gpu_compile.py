@@ -49,7 +49,7 @@ def run(*, preset: str, target: str, seq: int, batch: int, mesh: str, remat: str
         raise ValueError(f"--scan-layers {scan_layers!r} is not one of {tuple(SCAN_LAYERS_FLAGS)}")
     fsdp, sp = parse_mesh(mesh, fsdp_sp_product(mesh))
     config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
-                                 scan_layers=SCAN_LAYERS_FLAGS[scan_layers], kernels=kernels)
+                                 scan_layers=SCAN_LAYERS_FLAGS[scan_layers], kernels=kernels).text_only()  # a text step
     scanned = scans_layers(config, backend="gpu")
     say = log or (lambda _: None)
     setting = (f"{preset}, {batch} x {seq:,} tokens, mesh fsdp={fsdp},sp={sp}, remat {remat}, "

@@ -63,7 +63,7 @@ def planned_runs(
     row of 8,192 tokens unless `batch` / `seq` say otherwise), else each named CONFIGS entry, the
     first with `overrides`, `batch` and `seq` applied."""
     if preset is not None:
-        config = Qwen35Config.preset(preset, dtype=dtype, scan_layers=scan_layers)
+        config = Qwen35Config.preset(preset, dtype=dtype, scan_layers=scan_layers).text_only()  # a text step
         config = config if remat is None else config.replace(remat=remat)
         return [(preset, config, batch or 1, seq or 8192)]
     out = []
