@@ -50,13 +50,15 @@ def score_tokens(
     temperature: float = 1.0,
     backend: str = "auto",
     lm_head_mode: str = "gather",
+    positions: jax.Array | None = None,  # [B, S] or mrope [3, B, S] (a VLM's batch); None: each document's index
+    vision: Any = None,  # a VLM batch's VisionInputs (vision/inputs.py); None: no tower in the program
 ) -> tuple[jax.Array, jax.Array]:  # (log_probs [B, S] float32, entropy [B, S] float32)
     """Log p(next token) and entropy at every position; 0 where there is no label / at padding.
 
     Uses the context mesh (`jax.set_mesh`) when there is one. Call under `nnx.jit`.
     """
     choices = model.config.kernels  # the fused kernel's backend and blocks: the model's kernel choices
-    hidden = model(tokens, segment_ids=segment_ids)  # [B, S, D]
+    hidden = model(tokens, positions=positions, segment_ids=segment_ids, vision=vision)  # [B, S, D]
     labels = next_token_labels(tokens, segment_ids)  # [B, S], global shift
     weight = model.lm_head_weight().astype(hidden.dtype)  # [D, V]: the matmul in the compute dtype, as logits()
     mesh = jax.sharding.get_abstract_mesh()

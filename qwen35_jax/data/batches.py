@@ -9,25 +9,118 @@ JSON-serialisable position and `set_state()` continues exactly where that stream
 - JSONL is tokenised and packed on the fly: each process reads only every n-th row of the shuffled
   order and packs its own rows, so the state is the process's grain iterator state, valid for the same
   process index and count only.
+
+Images. Given an `ImageProcessor` (the model has a vision tower), every batch also carries its rows'
+images (`IMAGE_BATCH_FIELDS`), the rows' images concatenated in row order, which is the order of their
+placeholders in the batch taken row-major: "patches" float32 [P, patch_dim], "grids_thw" int64 [N, 3] and
+"image_counts" int64 [B/n] (images of each row). A batch without images has P = N = 0. A prepared
+dataset's images come from its image arrays; without a processor, a prepared dataset with images is
+refused and a JSONL row with images is an error (`sources.find_image_row`).
 """
 
 from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grain
 import numpy as np
 
 from qwen35_jax.data.pipeline import RowCounts, packed_rows, stack_rows
-from qwen35_jax.data.prepared import FIELDS, is_prepared, open_prepared
+from qwen35_jax.data.prepared import FIELDS, is_prepared, open_prepared, prepared_row_images, read_manifest
 from qwen35_jax.data.rows import RowEncoder, check_tokenizer, load_tokenizer
-from qwen35_jax.data.sources import JsonlLines, find_jsonl_files
+from qwen35_jax.data.sources import JsonlLines, find_image_row, find_jsonl_files
+
+if TYPE_CHECKING:
+    from qwen35_jax.data.images import ImageProcessor
+    from qwen35_jax.vision.config import VisionConfig
+
+IMAGE_BATCH_FIELDS = ("patches", "grids_thw", "image_counts")
+
+
+def batch_images(images: Sequence[tuple[np.ndarray, np.ndarray] | None], patch_dim: int) -> dict[str, np.ndarray]:
+    """Each row's (patches [P_i, patch_dim], grids_thw [N_i, 3]) or None -> the `IMAGE_BATCH_FIELDS`."""
+    rows = [(np.zeros((0, patch_dim), np.float32), np.zeros((0, 3), np.int64)) if r is None else r for r in images]
+    return {"patches": np.concatenate([np.asarray(p, np.float32).reshape(-1, patch_dim) for p, _ in rows]),
+            "grids_thw": np.concatenate([np.asarray(g, np.int64).reshape(-1, 3) for _, g in rows]),
+            "image_counts": np.asarray([len(g) for _, g in rows], np.int64)}
+
+
+def _check_processor_fits(info: dict[str, Any], processor: ImageProcessor, directory: str) -> None:
+    """One-line ValueError unless a prepared dataset's images were cut as `processor` cuts them."""
+    if info["patch_dim"] != processor.patch_dim or info["merge_size"] != processor.merge_size:
+        raise ValueError(f"{directory}: its images have patch_dim {info['patch_dim']} and merge_size "
+                         f"{info['merge_size']}, the model's vision tower takes {processor.patch_dim} and "
+                         f"{processor.merge_size}: prepare the data with the model's checkpoint")
+
+
+def image_processor_for(vision: VisionConfig | None, model_dir: str | None = None, *, min_pixels: int | None = None,
+                        max_pixels: int | None = None) -> ImageProcessor | None:
+    """The image processor of a model with the vision tower `vision` (None without one): the checkpoint
+    directory's preprocessor_config.json when it has one, else Qwen3.5's settings for the tower (a preset
+    or random model, or one of our checkpoints); min/max pixels overridden when given."""
+    import os
+
+    from qwen35_jax.data.images import PREPROCESSOR_CONFIG, ImageProcessor
+
+    if vision is None:
+        if min_pixels is not None or max_pixels is not None:
+            raise ValueError("--min-pixels/--max-pixels size images, but the model has no vision tower")
+        return None
+    if model_dir is not None and os.path.isfile(os.path.join(model_dir, PREPROCESSOR_CONFIG)):
+        return ImageProcessor.from_pretrained(model_dir, min_pixels=min_pixels, max_pixels=max_pixels, vision=vision)
+    return ImageProcessor.from_vision_config(vision, min_pixels=min_pixels, max_pixels=max_pixels)
+
+
+def check_no_image_rows(lines: JsonlLines) -> None:
+    """One-line ValueError naming the first row (file:line) with an image and its path: a model without
+    a vision tower cannot use it, and that is a wrong model or wrong data, not one bad row to skip."""
+    found = find_image_row(lines)
+    if found is not None:
+        where, path = found
+        raise ValueError(f"{where}: the row has an image ({path}) but the model has no vision tower: "
+                         f"train a vision-language checkpoint, or leave the image rows out")
+
+
+def data_has_images(sources: Sequence[str]) -> bool:
+    """Whether any of `sources` (prepared datasets, JSONL files or directories; other paths are
+    ignored) holds an image: a prepared dataset's manifest, or a JSONL chat row with an image part."""
+    import os
+
+    names = [n for n in sources if is_prepared(n) or os.path.isdir(n) or n.endswith((".jsonl", ".jsonl.gz"))]
+    for name in names:
+        if is_prepared(name):
+            info = read_manifest(name).get("images")
+            if info and info["count"]:
+                return True
+    jsonl = [n for n in names if not is_prepared(n) and not os.path.isfile(os.path.join(n, "tokens.npy"))]
+    return bool(jsonl) and find_image_row(JsonlLines(find_jsonl_files(jsonl))) is not None
+
+
+def check_image_inputs(sources: str | Sequence[str], *, vision: bool) -> None:
+    """Before anything is written: without a vision tower (`vision` False), a one-line ValueError for
+    a prepared dataset holding images or a JSONL row with an image. Reads manifests and scans the JSONL
+    bytes for image parts, tokenising nothing."""
+    if vision:
+        return
+    names = [sources] if isinstance(sources, str) else list(sources)
+    for name in names:
+        if is_prepared(name):
+            info = read_manifest(name).get("images")
+            if info and info["count"]:
+                raise ValueError(f"{name}: the prepared dataset holds {info['count']} images but the model has no "
+                                 f"vision tower")
+    jsonl = [n for n in names if not is_prepared(n)]
+    if jsonl:
+        check_no_image_rows(JsonlLines(find_jsonl_files(jsonl)))
 
 
 class BatchStream(abc.ABC):
-    """This process's rows of each global batch: {"tokens", "segment_ids", "loss_mask"} int32 [B/n, S]."""
+    """This process's rows of each global batch: {"tokens", "segment_ids", "loss_mask"} int32 [B/n, S]
+    (and the `IMAGE_BATCH_FIELDS` when `images` is True)."""
+
+    images: bool = False  # whether batches carry their rows' images
 
     seq_len: int
 
@@ -72,9 +165,15 @@ class PreparedBatches(BatchStream):
     """Batches from a prepare_data.py directory, read memory-mapped."""
 
     def __init__(self, directory: str, *, batch_size: int, vocab_size: int, seed: int, shuffle: bool,
-                 shard_index: int, shard_count: int):
+                 shard_index: int, shard_count: int, image_processor: ImageProcessor | None = None):
         self.directory = directory
-        self.arrays, self.manifest = open_prepared(directory, vocab_size)
+        self.images = image_processor is not None
+        self.arrays, self.manifest = open_prepared(directory, vocab_size, images=self.images)
+        info = self.manifest.get("images")
+        self.has_images = bool(self.images and info)
+        if self.has_images:
+            _check_processor_fits(info, image_processor, directory)
+        self.patch_dim = image_processor.patch_dim if self.images else 0
         self.seq_len = int(self.manifest["seq_len"])
         self.n_rows = int(self.manifest["rows"])
         order = grain.MapDataset.range(self.n_rows)
@@ -89,7 +188,11 @@ class PreparedBatches(BatchStream):
         start = self.next_row + self.first
         rows = np.asarray([self.order[k] for k in range(start, start + self.local_rows)])
         self.next_row += self.batch_size
-        return {name: np.asarray(self.arrays[name][rows]) for name in FIELDS}  # each [B/n, S]
+        batch = {name: np.asarray(self.arrays[name][rows]) for name in FIELDS}  # each [B/n, S]
+        if self.images:
+            images = [prepared_row_images(self.arrays, int(r)) if self.has_images else None for r in rows]
+            batch.update(batch_images(images, self.patch_dim))
+        return batch
 
     @property
     def epoch(self) -> float:
@@ -112,7 +215,7 @@ class JsonlBatches(BatchStream):
 
     def __init__(self, files: list[str], *, seq_len: int, batch_size: int, vocab_size: int,
                  tokenizer: str | None, seed: int, shuffle: bool, shard_index: int, shard_count: int,
-                 long_rows: str, bad_rows: str, worker_count: int):
+                 long_rows: str, bad_rows: str, worker_count: int, image_processor: ImageProcessor | None = None):
         loaded = None if tokenizer is None else load_tokenizer(tokenizer)
         if loaded is not None:
             check_tokenizer(loaded, vocab_size, source=tokenizer)
@@ -120,7 +223,11 @@ class JsonlBatches(BatchStream):
         self.shard_index, self.shard_count = shard_index, shard_count
         self.local_rows = batch_size // shard_count
         self.lines = JsonlLines(files)
-        encoder = RowEncoder(tokenizer, vocab_size, loaded=loaded)
+        self.images = image_processor is not None
+        self.patch_dim = image_processor.patch_dim if self.images else 0
+        if not self.images:
+            check_no_image_rows(self.lines)
+        encoder = RowEncoder(tokenizer, vocab_size, loaded=loaded, image_processor=image_processor)
         rows, self.fit = packed_rows(
             self.lines, encoder, seq_len=seq_len, seed=seed, shuffle=shuffle, epochs=None,
             shard_index=shard_index, shard_count=shard_count, long_rows=long_rows, bad_rows=bad_rows,
@@ -131,7 +238,11 @@ class JsonlBatches(BatchStream):
     def next_batch(self) -> dict[str, np.ndarray]:
         rows = [next(self.iterator) for _ in range(self.local_rows)]
         self.last_position = max(self.last_position, *(max(r["position"]) for r in rows))
-        return stack_rows(rows)
+        batch = stack_rows(rows)
+        if self.images:
+            batch.update(batch_images([(r["patches"], r["grids_thw"]) if "patches" in r else None for r in rows],
+                                      self.patch_dim))
+        return batch
 
     @property
     def epoch(self) -> float:
@@ -185,13 +296,15 @@ def open_batches(
     long_rows: str = "split",
     bad_rows: str = "skip",
     worker_count: int = 0,
+    image_processor: ImageProcessor | None = None,
 ) -> BatchStream:
     """This process's slice of every global batch of `batch_size` packed rows.
 
     `sources`: a prepared dataset directory (its own seq_len wins; read it back from `.seq_len`), or
     JSONL files / directories of them. Process `shard_index` of `shard_count` gets rows
     [i*B/n, (i+1)*B/n) of each global batch. `worker_count` grain worker processes tokenise JSONL rows;
-    the batches do not depend on it.
+    the batches do not depend on it. `image_processor`: the model's, when it has a vision tower; the
+    batches then carry their rows' images (`IMAGE_BATCH_FIELDS`).
     """
     if shard_count < 1 or not 0 <= shard_index < shard_count:
         raise ValueError(f"shard index {shard_index} is not in [0, {shard_count})")
@@ -206,8 +319,9 @@ def open_batches(
         if len(names) > 1:
             raise ValueError(f"{prepared[0]} is a prepared dataset: pass it alone, not with other inputs")
         return PreparedBatches(prepared[0], batch_size=batch_size, vocab_size=vocab_size, seed=seed,
-                               shuffle=shuffle, shard_index=shard_index, shard_count=shard_count)
+                               shuffle=shuffle, shard_index=shard_index, shard_count=shard_count,
+                               image_processor=image_processor)
     return JsonlBatches(find_jsonl_files(names), seq_len=seq_len, batch_size=batch_size,
                         vocab_size=vocab_size, tokenizer=tokenizer, seed=seed, shuffle=shuffle,
                         shard_index=shard_index, shard_count=shard_count, long_rows=long_rows,
-                        bad_rows=bad_rows, worker_count=worker_count)
+                        bad_rows=bad_rows, worker_count=worker_count, image_processor=image_processor)

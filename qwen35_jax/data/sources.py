@@ -137,3 +137,37 @@ class JsonlLines:
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_data": {}}
+
+
+IMAGE_PART_KEY = b'"image"'  # every image part of a chat row holds it ({"type": "image", "image": PATH})
+
+
+def find_image_row(lines: JsonlLines) -> tuple[str, str] | None:
+    """(file:line, image path) of the first row whose messages hold an image part, or None. Only the
+    lines that contain the bytes `"image"` are parsed, so a text corpus is scanned at memory speed."""
+    import json
+
+    from qwen35_jax.data.image_rows import BadContent, content_images
+
+    for file_id, path in enumerate(lines.files):
+        data = lines._data.get(file_id)
+        if data is None:
+            data = lines._data[file_id] = _read_bytes(path)
+        first = int(np.searchsorted(lines.file_ids, file_id))
+        starts = lines.starts[first:first + lines.lines_per_file[file_id]]
+        at = data.find(IMAGE_PART_KEY)
+        while at >= 0:
+            index = first + int(np.searchsorted(starts, at, side="right")) - 1  # the line holding byte `at`
+            line = lines[index]
+            try:
+                row = json.loads(line.text)
+                messages = row.get("messages") if isinstance(row, dict) else None
+                for i, message in enumerate(messages if isinstance(messages, list) else []):
+                    if isinstance(message, dict):
+                        images = content_images(i, message.get("content"))
+                        if images:
+                            return line.where, images[0]
+            except (ValueError, BadContent):  # not JSON, or malformed parts: the encoder reports those rows
+                pass
+            at = data.find(IMAGE_PART_KEY, int(lines.ends[index]) + 1)
+    return None

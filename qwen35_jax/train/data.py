@@ -20,8 +20,9 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from qwen35_jax.parallel.mesh import SP, mesh_axis_size
+from qwen35_jax.parallel.mesh import FSDP, SP, mesh_axis_size
 from qwen35_jax.parallel.padding import padded_size
 from qwen35_jax.scoring import check_inputs
 from qwen35_jax.train.step import MICRO_BSS, batch_shardings
@@ -168,17 +169,32 @@ def process_slice(mesh: Mesh, batch_size: int, grad_accum: int) -> tuple[int, in
     return blocks[0][0] // size, micro // size
 
 
-def place_batch(host: HostBatch, mesh: Mesh, grad_accum: int, shard_count: int) -> dict[str, jax.Array]:
+def place_batch(host: HostBatch, mesh: Mesh, grad_accum: int, shard_count: int) -> dict[str, Any]:
     """This process's rows [B/n, S] of a global batch -> global arrays [K, B/K, S'] (S' a multiple of
-    sp, padded with segment 0 and loss mask 0), sharded P(None, 'fsdp', 'sp')."""
+    sp, padded with segment 0 and loss mask 0), sharded P(None, 'fsdp', 'sp'). A VLM batch
+    (`train/vision.py`) also places "positions" [3, B/n, S] as [K, 3, B/K, S'] sharded
+    P(None, None, 'fsdp', 'sp'), and "vision" ([K, P, ...] VisionInputs) replicated on every device."""
     rows, s = host["tokens"].shape
     pad = padded_size(s, mesh_axis_size(mesh, SP)) - s
-    local = {}
+    local, placed = {}, {}
     for name, x in host.items():
+        if name == "vision":
+            if shard_count > 1:
+                raise ValueError("image batches are read by one process for now (the vision inputs are "
+                                 "replicated): run a VLM on the devices of one process")
+            placed[name] = jax.device_put(x, NamedSharding(mesh, P()))
+            continue
+        if name == "positions":  # [3, rows, S] -> [K, 3, rows/K, S']
+            x = np.pad(x, ((0, 0), (0, 0), (0, pad)))
+            x = x.reshape(3, grad_accum, rows // grad_accum, -1).transpose(1, 0, 2, 3)
+            sharding = NamedSharding(mesh, P(None, None, FSDP, SP))
+            placed[name] = jax.make_array_from_process_local_data(
+                sharding, np.ascontiguousarray(x), (grad_accum, 3, rows * shard_count // grad_accum, x.shape[-1]))
+            continue
         if x.ndim == 2 and pad:
             x = np.pad(x, ((0, 0), (0, pad)))
         local[name] = x.reshape(grad_accum, rows // grad_accum, *x.shape[1:])
     global_shapes = {name: (grad_accum, rows * shard_count // grad_accum, *x.shape[2:]) for name, x in local.items()}
     shardings = batch_shardings(mesh, local)
-    return {name: jax.make_array_from_process_local_data(shardings[name], x, global_shapes[name])
-            for name, x in local.items()}
+    return {**{name: jax.make_array_from_process_local_data(shardings[name], x, global_shapes[name])
+               for name, x in local.items()}, **placed}

@@ -41,6 +41,7 @@ from qwen35_jax.train.options import TrainOptions, flag
 from qwen35_jax.train.remat_choice import make_config_train_step
 from qwen35_jax.train.run import open_run_dir, write_config
 from qwen35_jax.train.signals import StopRequest
+from qwen35_jax.train.sources import check_model_inputs, data_has_images
 from qwen35_jax.train.step import StepOptions
 
 EXIT_BAD_STEPS = 3
@@ -113,7 +114,9 @@ def _start_model(options: TrainOptions, mesh: jax.sharding.Mesh) -> tuple[Qwen35
         model, config, meta = load_checkpoint(path, dtype=options.param_dtype, mesh=mesh)
         meta = {"layout": meta.get("layout"), "hf_config": meta.get("hf_config")}
     else:
-        model, config, ckpt = load_hf(path, dtype=options.param_dtype, mesh=mesh)
+        # an HF VLM checkpoint's vision tower is loaded when the data holds images (text data: the text model)
+        model, config, ckpt = load_hf(path, dtype=options.param_dtype, mesh=mesh,
+                                      text_only=not data_has_images(options))
         meta = {"layout": ckpt.layout.to_dict() if ckpt.layout else None, "hf_config": ckpt.raw_config}
     return config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), meta
 
@@ -152,7 +155,8 @@ def prepare(options: TrainOptions, objective: Objective | None = None) -> Run:
     schedule = make_schedule(options.lr, options.total_schedule_steps * updates_per_step,
                              options.warmup_steps * updates_per_step, options.final_lr_ratio)
     tx = make_optimizer(schedule, weight_decay=options.weight_decay, clip_norm=options.clip_norm,
-                        b1=options.adam_b1, b2=options.adam_b2, eps=options.adam_eps)
+                        b1=options.adam_b1, b2=options.adam_b2, eps=options.adam_eps,
+                        frozen=("visual",) if options.freeze_vision else ())
     checkpoints = RunCheckpoints(options.out, keep=options.keep) if resuming else None
     restored = None
     stored_config = checkpoints.model_config() if checkpoints is not None else None
@@ -172,6 +176,7 @@ def prepare(options: TrainOptions, objective: Objective | None = None) -> Run:
         raise ValueError(f"--param-dtype {options.param_dtype}: the checkpoint holds {config.param_dtype} parameters")
     config = _runtime_config(config, options)
     meta["config"] = _config_dict(config)
+    check_model_inputs(options, config)  # before the run directory is written
 
     if is_lead_process():
         write_config(options.out, options)

@@ -120,4 +120,5 @@ def step_options_of(options: TrainOptions, loss: str) -> StepOptions:
     return StepOptions(
         objective=loss, temperature=options.temperature, clip_low=options.clip_ratio,
         clip_high=options.clip_ratio_high, entropy_coef=options.entropy_coef, kl_coef=options.kl_coef,
-        kl_estimator=options.kl_estimator, backend=options.logprob_backend, lm_head_mode=options.lm_head)
+        kl_estimator=options.kl_estimator, backend=options.logprob_backend, lm_head_mode=options.lm_head,
+        freeze_vision=options.freeze_vision)

@@ -13,6 +13,7 @@ from qwen35_jax.train.optim import Params
 from qwen35_jax.train.options import TrainOptions
 from qwen35_jax.train.sources import open_eval_stream, open_train_stream
 from qwen35_jax.train.step import StepOptions, finish_eval, make_eval_step
+from qwen35_jax.train.vision import carries_images, vision_batch
 
 OFFLINE = ("sft", "ppo")
 
@@ -38,6 +39,7 @@ class FileBatches(ObjectiveRun):
     def __init__(self, setup: RunSetup):
         options, fields = setup.options, setup.step_options.required_fields()
         self.mesh, self.grad_accum, self.shard_count = setup.mesh, options.grad_accum, setup.shard_count
+        self.config, self.max_patches = setup.config, options.max_patches
         self.stream: BatchStream = open_train_stream(
             options, config=setup.config, mesh=setup.mesh, batch_size=setup.batch_size,
             shard_index=setup.shard_index, shard_count=setup.shard_count, fields=fields, graphdef=setup.graphdef,
@@ -53,8 +55,15 @@ class FileBatches(ObjectiveRun):
     def evaluates(self) -> bool:
         return self.eval_stream is not None
 
+    def place(self, host: dict[str, Any], step: int | None = None) -> dict[str, Any]:
+        """A host batch on the mesh; a VLM batch with its positions and vision inputs (`train/vision.py`)."""
+        if carries_images(host):
+            host = vision_batch(host, self.config, grad_accum=self.grad_accum, max_patches=self.max_patches,
+                                step=step)
+        return place_batch(host, self.mesh, self.grad_accum, self.shard_count)
+
     def step(self, state: TrainState, step: int) -> tuple[Metrics, int]:
-        batch = place_batch(self.stream.next_batch(), self.mesh, self.grad_accum, self.shard_count)
+        batch = self.place(self.stream.next_batch(), step)
         state.params, state.opt_state, metrics = state.train_step(state.params, state.opt_state, batch)
         return jax.device_get(metrics), batch["tokens"].shape[-1]
 
@@ -63,7 +72,7 @@ class FileBatches(ObjectiveRun):
         self.eval_stream.set_state(self.eval_start)
         totals: dict[str, float] = {}
         for _ in range(self.eval_batches):
-            batch = place_batch(self.eval_stream.next_batch(), self.mesh, self.grad_accum, self.shard_count)
+            batch = self.place(self.eval_stream.next_batch())
             for name, value in jax.device_get(self.eval_step(params, batch)).items():
                 totals[name] = totals.get(name, 0.0) + float(value)
         return {f"eval_{name}": value for name, value in finish_eval(totals).items()}

@@ -47,16 +47,27 @@ def weight_decay_mask(params: Params) -> Any:
     return jax.tree_util.tree_map_with_path(lambda path, _: decays(path), params)
 
 
+def frozen_labels(frozen: tuple[str, ...]) -> Any:
+    """params -> the tree of "frozen" (a parameter under one of the top-level `frozen` modules) or "train"."""
+    return lambda params: jax.tree_util.tree_map_with_path(
+        lambda path, _: "frozen" if _names(path)[0] in frozen else "train", params)
+
+
 def make_optimizer(schedule: optax.Schedule, *, weight_decay: float = 0.0, clip_norm: float | None = 1.0,
-                   b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8) -> optax.GradientTransformation:
+                   b1: float = 0.9, b2: float = 0.95, eps: float = 1e-8,
+                   frozen: tuple[str, ...] = ()) -> optax.GradientTransformation:
     """AdamW on `schedule` after clipping gradients to global norm `clip_norm` (None: no clipping);
-    weight decay only where `decays` says so."""
+    weight decay only where `decays` says so. `frozen`: top-level modules ("visual": the vision tower)
+    whose parameters get zero updates and no optimizer state (the clipping norm is the trained ones')."""
     if clip_norm is not None and not clip_norm > 0:
         raise ValueError(f"clip_norm must be > 0 or None, got {clip_norm}")
     if weight_decay < 0:
         raise ValueError(f"weight_decay must be >= 0, got {weight_decay}")
     adamw = optax.adamw(schedule, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay, mask=weight_decay_mask)
-    return adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+    tx = adamw if clip_norm is None else optax.chain(optax.clip_by_global_norm(clip_norm), adamw)
+    if not frozen:
+        return tx
+    return optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, frozen_labels(tuple(frozen)))
 
 
 def opt_state_shardings(abstract_opt_state: Any, params: Params, mesh: Mesh) -> Any:

@@ -96,6 +96,13 @@ class TrainOptions:
     long_rows: str = _opt("split", "JSONL rows longer than --seq-len: truncate, split or drop", "batch")
     bad_rows: str = _opt("skip", "JSONL rows that cannot be read: skip (counted) or stop", "batch")
     data_workers: int = _opt(0, "data loader worker processes (0: in the training process)", "batch")
+    min_pixels: int | None = _opt(None, "VLM: images smaller than this many pixels are scaled up (default: the "
+                                        "checkpoint's preprocessor_config.json, else 65536)", "batch")
+    max_pixels: int | None = _opt(None, "VLM: images larger than this many pixels are scaled down (default: the "
+                                        "checkpoint's preprocessor_config.json, else 16777216)", "batch")
+    max_patches: int | None = _opt(None, "VLM: image patches per micro-batch, one fixed bucket (one compile; a "
+                                         "batch with more is an error); default: the next power of two of each "
+                                         "batch's patches (a few compiles)", "batch")
     # --- optimizer and schedule
     steps: int = _opt(10, "stop after this many optimizer steps (a resumed run continues to it)", "optimizer")
     schedule_steps: int | None = _opt(None, "length of the learning-rate schedule (default: --steps)", "optimizer")
@@ -107,6 +114,8 @@ class TrainOptions:
     adam_b1: float = _opt(0.9, "AdamW beta1", "optimizer")
     adam_b2: float = _opt(0.95, "AdamW beta2", "optimizer")
     adam_eps: float = _opt(1e-8, "AdamW epsilon", "optimizer")
+    freeze_vision: bool = _opt(False, "VLM: the vision tower's parameters get no update and no optimizer "
+                                      "moments (the text model trains)", "optimizer")
     # --- precision and memory
     param_dtype: str = _opt("float32", "master weights and optimizer state dtype", "precision")
     compute_dtype: str | None = _opt(None, "matmul/activation dtype (default: bfloat16 on GPU/TPU, float32 on CPU)",
@@ -149,7 +158,8 @@ class TrainOptions:
         for name in ("lr", "temperature", "clip_ratio", "adam_eps"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{flag(name)} must be > 0, got {getattr(self, name)}")
-        for name in ("clip_norm", "clip_ratio_high", "peak_tflops", "batch_size", "schedule_steps"):
+        for name in ("clip_norm", "clip_ratio_high", "peak_tflops", "batch_size", "schedule_steps", "min_pixels",
+                     "max_pixels", "max_patches"):
             if getattr(self, name) is not None and not getattr(self, name) > 0:
                 raise ValueError(f"--{flag(name)} must be > 0, got {getattr(self, name)}")
         for name in ("weight_decay", "entropy_coef", "kl_coef", "warmup_steps", "eval_every", "data_workers"):
@@ -178,7 +188,7 @@ class TrainOptions:
 RESUMABLE_CHANGES = frozenset({
     "model", "out", "steps", "mesh", "grad_accum", "compute_dtype", "remat", "scan_layers", "attention",
     "logprob_backend", "lm_head", "gdn_sp_mode", "gdn_precision", "save_every", "keep", "eval_every", "eval_batches",
-    "eval_data", "max_bad_steps", "peak_tflops", "progress", "data_workers", "tokenizer"})
+    "eval_data", "max_bad_steps", "peak_tflops", "progress", "data_workers", "tokenizer", "max_patches"})
 
 
 def flag(name: str) -> str:

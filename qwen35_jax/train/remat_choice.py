@@ -50,8 +50,9 @@ class AutoRematStep:
     """A train step (`step(params, opt_state, batch)`) that picks its remat policy at its first call.
 
     make_step(policy) builds the jitted step of one policy. The choice is compiled from the first
-    call's arguments (inside the caller's mesh and kernel contexts); later calls run that program,
-    so every batch must keep the first one's shapes and shardings, as the trainer's do.
+    call's arguments (inside the caller's mesh and kernel contexts); later calls run that program, and a
+    batch of another shape or structure (a VLM batch with or without images, another patch bucket)
+    compiles the chosen policy's step for it once.
     """
 
     def __init__(self, make_step: Callable[[str], Any], *, limit_bytes: int | None = None,
@@ -61,14 +62,20 @@ class AutoRematStep:
         self._log = log
         self._describe = describe  # policy -> what else its step does differently, for the log line
         self._compiled: Any = None
+        self._programs: dict[Any, Any] = {}  # batch signature -> the chosen policy's compiled step
         self.policy: str | None = None  # a rung of AUTO_REMAT_LADDER, once compiled
         # per device, of each rung compiled (None: the compiler refused it as too large)
         self.needed: dict[str, int | None] = {}
 
     def __call__(self, params: Any, opt_state: Any, batch: Any) -> Any:
+        key = _signature(batch)
         if self._compiled is None:
             self._choose(params, opt_state, batch)
-        return self._compiled(params, opt_state, batch)
+            self._programs[key] = self._compiled
+        program = self._programs.get(key)
+        if program is None:  # another batch shape (a VLM batch's images, or none): the chosen policy's program
+            program = self._programs[key] = self._make_step(self.policy).lower(params, opt_state, batch).compile()
+        return program(params, opt_state, batch)
 
     def _choose(self, *args: Any) -> None:
         limit = device_memory_bytes() if self._limit is None else self._limit
@@ -104,6 +111,12 @@ class AutoRematStep:
         fits = needed <= AUTO_REMAT_HEADROOM * limit
         return (f"{what} the step needs {needed / 2**30:.2f} GiB per device, {'within' if fits else 'over'} "
                 f"{AUTO_REMAT_HEADROOM:.0%} of the device's {limit / 2**30:.1f} GiB")
+
+
+def _signature(batch: Any) -> Any:
+    """What a compiled step is specific to in its batch: the tree, and each array's shape, dtype and sharding."""
+    leaves, tree = jax.tree.flatten(batch)
+    return tree, tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves)
 
 
 def make_config_train_step(config: Qwen35Config, tx: optax.GradientTransformation, options: StepOptions,

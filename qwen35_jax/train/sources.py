@@ -69,7 +69,45 @@ def _open(paths: list[str], options: TrainOptions, *, config: Qwen35Config, batc
     return open_batches(paths, seq_len=options.seq_len, batch_size=batch_size, vocab_size=config.vocab_size,
                         tokenizer=options.tokenizer or options.model, seed=options.seed, shuffle=shuffle,
                         shard_index=shard_index, shard_count=shard_count, long_rows=options.long_rows,
-                        bad_rows=options.bad_rows, worker_count=options.data_workers)
+                        bad_rows=options.bad_rows, worker_count=options.data_workers,
+                        image_processor=run_image_processor(options, config))
+
+
+def run_image_processor(options: TrainOptions, config: Qwen35Config) -> Any:
+    """The run's `ImageProcessor` (None for a model without a vision tower): --model's
+    preprocessor_config.json when it has one, else Qwen3.5's settings for the tower; --min-pixels and
+    --max-pixels override both."""
+    from qwen35_jax.data.batches import image_processor_for
+
+    model_dir = options.model if options.model is not None and os.path.isdir(options.model) else None
+    return image_processor_for(config.vision, model_dir, min_pixels=options.min_pixels,
+                               max_pixels=options.max_pixels)
+
+
+def _pipeline_paths(options: TrainOptions) -> list[str]:
+    """The --data and --eval-data paths the data pipeline reads (not .npy directories)."""
+    return [p for p in options.data + options.eval_data if not is_npy_dir(p)]
+
+
+def data_has_images(options: TrainOptions) -> bool:
+    """Whether the run's data holds images (then an HF VLM checkpoint is loaded with its vision tower)."""
+    from qwen35_jax.data.batches import data_has_images as has_images
+
+    return has_images(_pipeline_paths(options))
+
+
+def check_model_inputs(options: TrainOptions, config: Qwen35Config) -> None:
+    """The checks between the model and the data that need no devices, run before the run directory is
+    written; one-line ValueErrors: --freeze-vision / --max-patches / pixels without a tower, and images
+    (a JSONL row, a prepared dataset) for a model without one."""
+    from qwen35_jax.data.batches import check_image_inputs
+    from qwen35_jax.train.vision import check_max_patches
+
+    if options.freeze_vision and config.vision is None:
+        raise ValueError("--freeze-vision freezes the vision tower, but the model has none")
+    check_max_patches(options.max_patches, config)
+    run_image_processor(options, config)  # its settings are checked against the tower
+    check_image_inputs(_pipeline_paths(options), vision=config.vision is not None)
 
 
 def open_train_stream(options: TrainOptions, *, config: Qwen35Config, mesh: jax.sharding.Mesh, batch_size: int,

@@ -47,6 +47,7 @@ class StepOptions:
     kl_estimator: str = "low_var_kl"
     backend: str = "auto"  # fused log-prob backend
     lm_head_mode: str = "gather"  # gather | vocab_parallel
+    freeze_vision: bool = False  # the vision tower's parameters get no gradient (the optimizer masks them too)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -91,11 +92,15 @@ def token_terms(options: StepOptions, log_probs: jax.Array, entropy: jax.Array,
 
 def _micro_sums(options: StepOptions, graphdef: nnx.GraphDef, params: Params, micro: Batch,
                 mask: jax.Array, denominator: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(sum of the micro-batch's loss tokens / denominator, every term summed over its mask)."""
+    """(sum of the micro-batch's loss tokens / denominator, every term summed over its mask). A VLM
+    micro-batch also holds "positions" [3, b, S] and, when it has images, "vision" (`train/vision.py`)."""
+    if options.freeze_vision and "visual" in params:
+        params = {**params, "visual": jax.lax.stop_gradient(params["visual"])}
     model = nnx.merge(graphdef, params)
     log_probs, entropy = score_tokens(  # [b, S] each
         model, micro["tokens"], micro["segment_ids"], temperature=options.temperature,
-        backend=options.backend, lm_head_mode=options.lm_head_mode)
+        backend=options.backend, lm_head_mode=options.lm_head_mode, positions=micro.get("positions"),
+        vision=micro.get("vision"))
     terms = token_terms(options, log_probs, entropy, micro)
     sums = {name: jnp.sum(x * mask) for name, x in terms.items()}
     return sums["loss"] / denominator, jax.lax.stop_gradient(sums)
@@ -213,5 +218,6 @@ def finish_eval(totals: dict[str, float]) -> dict[str, float]:
 
 
 def batch_shardings(mesh: Mesh, batch: dict[str, Any]) -> dict[str, NamedSharding]:
-    """P(None, 'fsdp', 'sp') for [K, b, S] fields, P(None, 'fsdp') for per-sequence [K, b] ones."""
+    """P(None, 'fsdp', 'sp') for [K, b, S] fields, P(None, 'fsdp') for per-sequence [K, b] ones (a VLM
+    batch's positions and vision inputs are placed by `data.place_batch`)."""
     return {name: NamedSharding(mesh, MICRO_BSS if len(x.shape) == 3 else MICRO_BS) for name, x in batch.items()}
