@@ -105,6 +105,8 @@ def _start_model(options: TrainOptions, mesh: jax.sharding.Mesh) -> tuple[Qwen35
         from qwen35_jax.model import Qwen35ForCausalLM
         from qwen35_jax.parallel.mesh import create_sharded
         config = Qwen35Config.preset(options.preset, param_dtype=options.param_dtype)
+        if not data_has_images(options):  # as for an HF checkpoint: text data trains the text model alone
+            config = config.text_only()
         model = create_sharded(lambda: Qwen35ForCausalLM(config, rngs=nnx.Rngs(options.seed)), mesh)
         return config, nnx.to_pure_dict(nnx.state(model, nnx.Param)), {"layout": None, "hf_config": None}
     from qwen35_jax.checkpoint import is_checkpoint, resolve_checkpoint
