@@ -48,7 +48,7 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
     if target is None and fsdp * sp > jax.device_count():
         raise ValueError(f"--mesh {mesh} needs {fsdp * sp} devices, there are {jax.device_count()}")
     config = traced_config(Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
-                                               scan_layers=SCAN_LAYERS_FLAGS[scan_layers]), target)
+                                               scan_layers=SCAN_LAYERS_FLAGS[scan_layers]).text_only(), target)
     scanned = config.scan_layers
     compiler = target_compiler(target) if target else f"XLA:{backend.upper()}"
     say = log or (lambda _: None)
