@@ -3,6 +3,8 @@ train step of each stack timed through it."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from qwen35_bench.report import breakdown_table, merge_rounds, table
@@ -55,3 +57,17 @@ def test_both_stacks_train_the_same_tiny_step():
         assert 0 < row[stack]["min_s"] <= row[stack]["median_s"] <= row[stack]["max_s"]
     assert row["remat"] == "auto -> none" and row["model_tflops_per_step"] > 0
     assert row["ours"]["mfu"] == pytest.approx(row["model_tflops_per_step"] / row["ours"]["median_s"])
+
+
+def test_bench_vision_times_both_stacks_on_a_tiny_tower(tmp_path):
+    import bench_vision
+
+    out = tmp_path / "vision.json"
+    assert bench_vision.main(["--depth", "1", "--hidden", "32", "--heads", "2", "--intermediate", "64", "--patch", "4",
+                              "--out", "32", "--positions", "64", "--grid", "1x4x4", "--grid", "1x2x6",
+                              "--steps", "1", "--anchor-check", "off", "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for stack in ("ours", "transformers"):
+        assert result[stack]["median_s"] > 0
+    assert result["ratio"] == pytest.approx(result["transformers"]["median_s"] / result["ours"]["median_s"])
+    assert result["patches"] == 28 and result["loss_rel_diff"] < 1e-4  # the same weights, the same step
