@@ -27,7 +27,7 @@ from test_data_images import VISION_TEMPLATE, VISION_TOKENS
 
 MIN_PIXELS, MAX_PIXELS = 256, 1024  # 16 .. 64 patches of 4 x 4
 # 56 tokens a row: the 8 chat rows below (35 to 54 tokens) pack one to a row, so a batch of 8 holds them all
-BASE = dict(seq_len=56, batch_size=8, lr=3e-3, warmup_steps=1, progress=False, remat="none", save_every=100,
+BASE = dict(seq_len=56, batch_size=8, lr=3e-3, warmup_steps=1, schedule_steps=4, progress=False, remat="none", save_every=100,
             min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, weight_decay=0.01)
 
 
@@ -180,6 +180,17 @@ def test_sft_loss_is_the_models_own_log_probs_with_the_same_vision_inputs(mesh_r
     # the test can fail: without the images the loss moves by far more than that tolerance (measured 2.4e-4,
     # small because a random tower's features shift few predictions, and no prediction of a pad trains)
     assert abs(nll(None) - want) > 10 * 1e-5 * abs(want)
+
+
+def test_resume_replays_the_rows_and_images_of_the_uninterrupted_run(vlm_dir, chats, mesh_run, tmp_path):
+    from qwen35_jax.train.loop import train
+
+    straight, _ = mesh_run
+    out = tmp_path / "resumed"
+    assert train(_options(vlm_dir, out, [chats], steps=2, save_every=2, mesh="fsdp=2,sp=4")) == 0
+    assert train(_options(vlm_dir, out, [chats], steps=4, save_every=2, mesh="fsdp=2,sp=4")) == 0
+    # the same program on the same mesh: equal up to XLA:CPU's thread scheduling of float32 sums
+    np.testing.assert_allclose(_losses(out), _losses(straight), rtol=1e-6)
 
 
 def test_freeze_vision_keeps_the_tower_bit_identical(vlm_dir, chats, tmp_path):
