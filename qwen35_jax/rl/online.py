@@ -12,10 +12,15 @@
 
 Sampling and scoring both take the run's `StepOptions` (temperature, log-prob backend, lm_head mode),
 so the old log-probs, the updates' and the sampler's agree on them.
+
+Prompts with images (a VLM, docs/rl.md): the sampler gets each prompt's images, and each step's rows
+carry them through `train/vision.py` (mrope positions [3, rows, S], each micro-batch's VisionInputs), so
+the old log-probs, the reference's and the updates score the rows with the images the sampler saw.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from typing import Any
@@ -34,17 +39,20 @@ from qwen35_jax.generation.prompts import (
     stop_token_ids,
 )
 from qwen35_jax.parallel.processes import gather_rows
-from qwen35_jax.rl.prompt_stream import PromptStream, load_prompts
+from qwen35_jax.rl.prompt_stream import PromptStream, check_prompt_images, load_prompts_with_images
 from qwen35_jax.rl.reference import check_reference, kl_reference
 from qwen35_jax.rl.reward_fn import call_reward, load_reward
 from qwen35_jax.rl.rollout import RolloutOptions, reward_sample, row_length, sample_rollouts
-from qwen35_jax.scoring import score_program
+from qwen35_jax.scoring import ScoreOptions, score_program, score_tokens
 from qwen35_jax.train.data import place_batch
 from qwen35_jax.train.metrics import plot_reward
 from qwen35_jax.train.objective import Metrics, Objective, ObjectiveRun, RunSetup, TrainState, step_options_of
 from qwen35_jax.train.optim import Params
 from qwen35_jax.train.options import TrainOptions
+from qwen35_jax.train.sources import run_image_processor
 from qwen35_jax.train.step import StepOptions
+from qwen35_jax.train.vision import carries_images, vision_batch
+from qwen35_jax.xla_options import compiler_options
 
 
 def step_seed(seed: int, step: int) -> int:
@@ -71,6 +79,7 @@ class OnlineGRPO(Objective):
         parse_chat_template_kwargs(options.chat_template_kwargs)
         load_reward(options.reward)  # a bad spec fails before anything is built
         check_reference(options)
+        check_prompt_images(options.data + options.eval_data)  # a missing image: before anything is written
 
     def default_batch_size(self, options: TrainOptions, fsdp: int) -> int:
         return math.lcm(fsdp * options.grad_accum, options.group_size)
@@ -91,6 +100,29 @@ def _log_probs(program: Any, params: Params, tokens: jax.Array, segment_ids: jax
     k, b, s = tokens.shape
     log_probs, _ = program(params, tokens.reshape(k * b, s), segment_ids.reshape(k * b, s))
     return log_probs.reshape(k, b, s)
+
+
+@functools.lru_cache(maxsize=16)
+def _vision_score_program(graphdef: Any, kernels: Any, scoring: ScoreOptions) -> Any:
+    """(params, placed VLM batch) -> the trainer's log-probs [K, b, S]: `score_tokens` on each of the K
+    micro-batches with its mrope positions and VisionInputs, as the train step scores them."""
+
+    def score(params: Params, batch: dict[str, Any]) -> jax.Array:
+        def one(micro: dict[str, Any]) -> jax.Array:
+            log_probs, _ = score_tokens(
+                nnx.merge(graphdef, params), micro["tokens"], micro["segment_ids"], temperature=scoring.temperature,
+                backend=scoring.backend, lm_head_mode=scoring.lm_head_mode, positions=micro["positions"],
+                vision=micro.get("vision"))
+            return log_probs
+
+        # one micro-batch after the other (a loop, as the train step's): unrolled, the micro-batches'
+        # collectives could run interleaved in different orders on different devices
+        return jax.lax.map(one, batch)
+
+    return jax.jit(score, compiler_options=compiler_options(kernels.resolve().platform))
+
+
+_SCORED = ("tokens", "segment_ids", "positions", "vision")
 
 
 @jax.jit
@@ -115,12 +147,18 @@ class OnlineRun(ObjectiveRun):
         self.options, self.mesh, self.graphdef = options, setup.mesh, setup.graphdef
         self.shard_index, self.shard_count = setup.shard_index, setup.shard_count
         self.step_options = setup.step_options
+        self.config = setup.config
         tokenizer, tokenizer_dir = model_tokenizer(options.model, options.tokenizer)
         self.encoder = PromptEncoder(tokenizer, setup.config.vocab_size, tokenizer_source=tokenizer_dir,
-                                     chat_template_kwargs=parse_chat_template_kwargs(options.chat_template_kwargs))
-        self.rows, self.prompts = load_prompts(options.data, self.encoder)
-        self.eval_rows, self.eval_prompts = (load_prompts(options.eval_data, self.encoder) if options.eval_data
-                                             else ([], []))
+                                     chat_template_kwargs=parse_chat_template_kwargs(options.chat_template_kwargs),
+                                     image_processor=run_image_processor(options, setup.config))
+        self.rows, self.prompts, images = load_prompts_with_images(options.data, self.encoder)
+        self.eval_rows, self.eval_prompts, eval_images = (load_prompts_with_images(options.eval_data, self.encoder)
+                                                          if options.eval_data else ([], [], []))
+        # each prompt's images, when any prompt has some (None: a text-only run, the text programs)
+        with_images = any(x is not None for x in images + eval_images)
+        self.images = images if with_images else None
+        self.eval_images = eval_images if with_images else None
         stop = stop_token_ids(options.stop_token_ids, options.model, tokenizer)
         self.rollout = RolloutOptions(group_size=options.group_size, max_new_tokens=options.max_new_tokens,
                                       temperature=setup.step_options.temperature, advantage=options.advantage,
@@ -146,15 +184,18 @@ class OnlineRun(ObjectiveRun):
         indices, first = self._my_share(self.stream.next_prompts())
         rollout = sample_rollouts(nnx.merge(self.graphdef, state.params), self.rows, self.prompts, indices,
                                   options=self.rollout, seed=step_seed(o.seed, step), mesh=self.mesh,
-                                  reward=self.reward, encoder=self.encoder, seq_len=self.seq_len, first_row=first)
+                                  reward=self.reward, encoder=self.encoder, seq_len=self.seq_len, first_row=first,
+                                  images=self.images)
         start = time.perf_counter()
-        placed = place_batch({**rollout.batch, "sampler_log_probs": rollout.sampler_log_probs}, self.mesh,
-                             o.grad_accum, self.shard_count)
+        host = {**rollout.batch, "sampler_log_probs": rollout.sampler_log_probs}
+        if carries_images(host):  # mrope positions and each micro-batch's vision inputs (train/vision.py)
+            host = vision_batch(host, self.config, grad_accum=o.grad_accum, max_patches=o.max_patches, step=step)
+        placed = place_batch(host, self.mesh, o.grad_accum, self.shard_count)
         sampler = placed.pop("sampler_log_probs")
-        placed["old_log_probs"] = _log_probs(self.score, state.params, placed["tokens"], placed["segment_ids"])
+        placed["old_log_probs"] = self._log_probs(state.params, placed)
         mismatch = float(_mismatch(sampler, placed["old_log_probs"], placed["loss_mask"]))
         if self.ref_params is not None:
-            placed["ref_log_probs"] = _log_probs(self.score, self.ref_params, placed["tokens"], placed["segment_ids"])
+            placed["ref_log_probs"] = self._log_probs(self.ref_params, placed)
         applied = 0
         for _ in range(o.ppo_epochs):
             state.params, state.opt_state, metrics = state.train_step(state.params, state.opt_state, placed)
@@ -172,6 +213,13 @@ class OnlineRun(ObjectiveRun):
                    "update_tokens_per_sec": o.ppo_epochs * float(metrics["batch_tokens"]) / max(update_seconds, 1e-9)}
         return metrics, self.seq_len
 
+    def _log_probs(self, params: Params, placed: dict[str, Any]) -> jax.Array:
+        """The trainer's log-probs [K, b, S] of a placed batch (with its positions and vision inputs)."""
+        if "positions" not in placed:
+            return _log_probs(self.score, params, placed["tokens"], placed["segment_ids"])
+        program = _vision_score_program(self.graphdef, self.config.kernels, self.step_options.scoring)
+        return program(params, {k: placed[k] for k in _SCORED if k in placed})
+
     def evaluate(self, params: Params) -> dict[str, float]:
         """Greedy mean reward on the --eval-data prompts, each process taking an equal share (the last
         prompt repeated to fill the shares, and counted once)."""
@@ -180,7 +228,8 @@ class OnlineRun(ObjectiveRun):
         mine = list(range(self.shard_index * per, (self.shard_index + 1) * per))
         out = generate(nnx.merge(self.graphdef, params), [self.eval_prompts[min(i, n - 1)] for i in mine],
                        max_new_tokens=self.rollout.max_new_tokens, temperature=0,
-                       stop_token_ids=list(self.rollout.stop_token_ids), mesh=self.mesh)
+                       stop_token_ids=list(self.rollout.stop_token_ids), mesh=self.mesh,
+                       images=None if self.eval_images is None else [self.eval_images[min(i, n - 1)] for i in mine])
         rewards = np.zeros(per)
         for c in out:
             i = min(mine[c.prompt_index], n - 1)
