@@ -271,18 +271,27 @@ def test_compiled_step_config_is_the_traced_platforms():
 
 def test_train_step_memory_matches_the_parameter_count():
     """The compiled step's arguments are exactly the float32 parameters and both AdamW moments,
-    ZeRO-3 sharded over 4 devices, plus the batch; the donated state is aliased."""
+    ZeRO-3 sharded over 4 devices, plus the batch; the donated state is aliased. A VLM's step with a
+    bucket of 32 image patches: the tower counted (`total_parameters` too), the batch holding positions
+    and the bucket (the text model's step is the same program less the tower and those inputs)."""
     from qwen35_jax.memory.budget import total_parameters
     from qwen35_jax.memory.step_memory import step_memory
+    from qwen35_jax.vision.config import VisionConfig
 
-    config = tiny(remat="nested", dtype="bfloat16")
+    text = tiny(remat="nested", dtype="bfloat16")
+    vision = VisionConfig.preset("tiny").replace(out_hidden_size=text.hidden_size)
+    config = text.replace(vision=vision, hf_model_type="qwen3_5", image_token_id=200, video_token_id=201,
+                          vision_start_token_id=202, vision_end_token_id=203)
+    image_patches = 32
+    # tokens and segment ids [1, 64], positions [3, 64], and the bucket's patches, segments, rows/cols,
+    # taps and weights: 4 bytes an element, replicated
+    batch_bytes = 2 * 64 * 4 + 3 * 64 * 4 + image_patches * (vision.patch_dim + 1 + 2 + 4 + 4) * 4
     devices = jax.devices()[:4]
-    short = step_memory(config, 64, (1, 4), devices=devices)
+    short = step_memory(config, 64, (1, 4), devices=devices, image_patches=image_patches)
     graphdef, state = nnx.split(Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)))
     shardings = state_shardings(nnx.to_pure_dict(state), make_mesh((1, 4), devices=devices))
     per_device = sum(int(np.prod(s.shard_shape(x.shape))) * 4 for x, s in zip(
         jax.tree.leaves(nnx.to_pure_dict(state)), jax.tree.leaves(shardings)))
-    batch_bytes = 2 * 64 * 4  # tokens and segment ids, int32, replicated shapes [1, 64]
     assert total_parameters(config) == sum(x.size for x in jax.tree.leaves(state))
     # parameters + mu + nu (+ scalar counts) + batch; outputs alias the donated state
     assert 3 * per_device <= short.arguments <= 3 * per_device + batch_bytes + 64

@@ -30,12 +30,24 @@ def parameter_counts(config: Qwen35Config) -> dict[str, int]:
         mlp = 3 * d * c.intermediate_size
     return {"embedding": c.vocab_size * d, "lm_head": 0 if c.tie_word_embeddings else c.vocab_size * d,
             "final_norm": d, "linear_attention": gdn + mlp + norms, "full_attention": attn + mlp + norms,
-            "mlp": mlp}
+            "mlp": mlp, "vision": vision_parameters(c)}
+
+
+def vision_parameters(config: Qwen35Config) -> int:
+    """Elements of the vision tower (0 without one): patch embedding, position table, blocks, merger."""
+    v = config.vision
+    if v is None:
+        return 0
+    d, i, merged = v.hidden_size, v.intermediate_size, v.hidden_size * v.merge_unit
+    block = 4 * d + (3 * d * d + 3 * d) + (d * d + d) + (d * i + i) + (i * d + d)  # 2 LayerNorms, qkv, proj, MLP
+    merger = 2 * d + (merged * merged + merged) + (merged * v.out_hidden_size + v.out_hidden_size)
+    return v.patch_dim * d + d + v.num_position_embeddings * d + v.depth * block + merger
 
 
 def total_parameters(config: Qwen35Config) -> int:
     p = parameter_counts(config)
-    return p["embedding"] + p["lm_head"] + p["final_norm"] + sum(p[kind] for kind in config.layer_types)
+    return (p["embedding"] + p["lm_head"] + p["final_norm"] + sum(p[kind] for kind in config.layer_types)
+            + p["vision"])
 
 
 def gdn_bytes_per_token(config: Qwen35Config) -> int:

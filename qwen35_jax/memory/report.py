@@ -21,12 +21,13 @@ def components(m: StepMemory) -> dict[str, int]:
 
 def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = None, remat: str = "nested",
         gdn_mode: str = "all_to_all", tile: int | None = 8192, start: int | None = None,
-        target: str | None = None, scan_layers: str = "auto",
+        target: str | None = None, scan_layers: str = "auto", image_patches: int | None = None,
         log: Callable[[str], None] | None = print) -> dict[str, Any]:
     """target: a GPU or TPU of `targets.COMPILE_TARGETS` whose compiler sizes the step (device_memory
     None: that device's); None: this process's devices (simulated ones on CPU, device_memory required).
     scan_layers: a key of `config.SCAN_LAYERS_FLAGS` ("auto": as the target's platform resolves it, a
-    GPU's without a target)."""
+    GPU's without a target). image_patches: the step of a VLM batch that also holds one bucket of that
+    many image patches (the preset's vision tower kept); None: the text model's step."""
     import jax
 
     from qwen35_jax.memory.targets import target_backend, target_compiler, target_memory_bytes
@@ -47,15 +48,17 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
     fsdp, sp = parse_mesh(mesh, fsdp_sp_product(mesh))
     if target is None and fsdp * sp > jax.device_count():
         raise ValueError(f"--mesh {mesh} needs {fsdp * sp} devices, there are {jax.device_count()}")
-    config = traced_config(Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
-                                               scan_layers=SCAN_LAYERS_FLAGS[scan_layers]).text_only(), target)
+    config = Qwen35Config.preset(preset, dtype="bfloat16", param_dtype="float32", remat=remat,
+                                 scan_layers=SCAN_LAYERS_FLAGS[scan_layers])
+    config = traced_config(config if image_patches else config.text_only(), target)
     scanned = config.scan_layers
     compiler = target_compiler(target) if target else f"XLA:{backend.upper()}"
     say = log or (lambda _: None)
     granule = sp * config.gdn_chunk_size  # sequence shards of whole delta-rule chunks
 
     def measure(s: int) -> StepMemory:
-        return step_memory(config, s, (fsdp, sp), gdn_mode=gdn_mode, tile=tile, target=target)
+        return step_memory(config, s, (fsdp, sp), gdn_mode=gdn_mode, tile=tile, target=target,
+                           image_patches=image_patches)
 
     if seq is not None:
         if seq < 1:
@@ -89,7 +92,7 @@ def run(*, preset: str, mesh: str, device_memory: str | None, seq: int | None = 
     return {"preset": preset, "mesh": f"fsdp={fsdp},sp={sp}", "seq": best.seq, "fits": fits,
             "total_bytes": best.total, "components": parts, "budget": budget, "remat": remat,
             "gdn_mode": gdn_mode, "scan_layers": scanned, "tile": tile, "device_memory": limit, "target": target,
-            "compile_s": round(best.compile_s, 1)}
+            "compile_s": round(best.compile_s, 1), "image_patches": image_patches}
 
 
 def fsdp_sp_product(spec: str) -> int:

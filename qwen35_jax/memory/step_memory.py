@@ -16,15 +16,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from qwen35_kernels.choices import DEFAULT_SEQUENCE_TILE
 
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.memory.targets import target_backend, target_devices, traced_for
 from qwen35_jax.model import scans_layers
-from qwen35_jax.parallel.mesh import make_mesh
+from qwen35_jax.parallel.mesh import FSDP, SP, make_mesh
 from qwen35_jax.train.abstract_state import abstract_train_state
 from qwen35_jax.train.optim import make_optimizer, make_schedule
 from qwen35_jax.train.step import MICRO_BSS, StepOptions, make_train_step
+from qwen35_jax.vision.inputs import VisionInputs
 
 
 @dataclass(frozen=True)
@@ -63,7 +65,8 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
                        gdn_scan: str = "pallas", tile: int | None = DEFAULT_SEQUENCE_TILE,
                        lm_head_mode: str = "gather", batch: int | None = None,
                        devices: list[Any] | None = None, gdn_precision: str | None = None,
-                       logprob_backend: str = "auto", target: str | None = None) -> tuple[Any, float]:
+                       logprob_backend: str = "auto", target: str | None = None,
+                       image_patches: int | None = None) -> tuple[Any, float]:
     """Lower and compile the whole train step for one [batch, seq] batch (batch default: fsdp).
 
     By default the program an H200 runs: attention ("pallas": the GPU flash kernel, no [S, S] or
@@ -76,7 +79,9 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     (default: this process's). target: a device of `targets.COMPILE_TARGETS` to compile for with its
     own compiler instead, on compile-only devices of it (no GPU or TPU needed): that device's program
     and memory. A TPU target runs the TPU's kernels: the Pallas TPU attention ("pallas" is it there)
-    and the associative GDN chunk scan ("pallas" is taken as "auto"), its layers as a TPU lays them out."""
+    and the associative GDN chunk scan ("pallas" is taken as "auto"), its layers as a TPU lays them out.
+    image_patches: a VLM step whose batch also holds that many image patches (one bucket; the tower runs,
+    its features replace placeholders, positions are three-axis), as `train/vision.py` places them."""
     fsdp, sp = mesh_shape
     config = traced_config(config, target)
     platform = None if target is None else target_backend(target)  # None: this process's (kernels interpreted)
@@ -95,6 +100,8 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     b = fsdp if batch is None else batch
     batch_arrays = {name: jax.ShapeDtypeStruct((1, b, seq), jnp.int32, sharding=NamedSharding(mesh, MICRO_BSS))
                     for name in ("tokens", "segment_ids", "loss_mask")}
+    if image_patches is not None:
+        batch_arrays.update(vision_batch_shapes(config, mesh, b, seq, image_patches))
     shardings = (jax.tree.map(lambda x: x.sharding, params), jax.tree.map(lambda x: x.sharding, opt_state))
     step = make_train_step(graphdef, tx, StepOptions(lm_head_mode=lm_head_mode, backend=logprob_backend),
                            shardings, kernels=config.kernels)  # the trainer's step
@@ -102,6 +109,26 @@ def compile_train_step(config: Qwen35Config, seq: int, mesh_shape: tuple[int, in
     with jax.set_mesh(mesh), traced_for(target):
         compiled = step.lower(params, opt_state, batch_arrays).compile()
     return compiled, time.time() - start
+
+
+def vision_batch_shapes(config: Qwen35Config, mesh: Any, batch: int, seq: int, patches: int) -> dict[str, Any]:
+    """The abstract "positions" [1, 3, b, S] and "vision" ([1, P, ...] `VisionInputs`, replicated) of a VLM
+    micro-batch, as `train.data.place_batch` places them."""
+    if config.vision is None:
+        raise ValueError("image patches need a model with a vision tower; this config has none")
+    unit = config.vision.merge_unit
+    if patches < unit or patches % unit:
+        raise ValueError(f"image patches {patches} must be a positive multiple of the merge window {unit}")
+    whole = NamedSharding(mesh, P())
+
+    def sds(shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((1, patches, *shape), dtype, sharding=whole)
+
+    vision = VisionInputs(sds((config.vision.patch_dim,), jnp.float32), sds((), jnp.int32), sds((2,), jnp.int32),
+                          sds((4,), jnp.int32), sds((4,), jnp.float32))
+    positions = jax.ShapeDtypeStruct((1, 3, batch, seq), jnp.int32,
+                                     sharding=NamedSharding(mesh, P(None, None, FSDP, SP)))
+    return {"positions": positions, "vision": vision}
 
 
 def step_memory(config: Qwen35Config, seq: int, mesh_shape: tuple[int, int], **kwargs: Any) -> StepMemory:

@@ -5,6 +5,7 @@
     python scripts/bench/bench_long_context.py --preset 0.8B --mesh fsdp=1,sp=1 --seq 262144 --json
     python scripts/bench/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --target h200
     python scripts/bench/bench_long_context.py --preset 9B --mesh fsdp=2,sp=8 --target v5p
+    python scripts/bench/bench_long_context.py --preset 9B --mesh fsdp=1,sp=8 --seq 32768 --image-patches 4096
 
 The step: sequence-sharded forward, fused log-prob loss, gradients, clipping and AdamW, float32
 master weights and moments ZeRO-3 sharded, bf16 compute, one sequence per fsdp row. It is lowered
@@ -44,6 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start", type=int, help="first power of two of the search (default from the budget)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--devices", type=int, default=8, help="simulated CPU devices when on CPU (default 8)")
+    parser.add_argument("--image-patches", type=int, default=None,
+                        help="also one bucket of this many image patches through the preset's vision tower "
+                             "(a 1024 x 1024 image at patch 16: 4096); default: the text model alone")
     return parser.parse_args(argv)
 
 
@@ -59,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     device_memory = args.device_memory or (None if args.target else "141GB")
     result = run(preset=args.preset, mesh=args.mesh, device_memory=device_memory, seq=args.seq,
                  remat=args.remat, gdn_mode=args.gdn_mode, tile=args.tile or None, start=args.start,
-                 target=args.target, scan_layers=args.scan_layers, log=None if args.json else print)
+                 target=args.target, scan_layers=args.scan_layers, image_patches=args.image_patches,
+                 log=None if args.json else print)
     if args.json:
         print(json.dumps(result))
     return 0
