@@ -84,7 +84,7 @@ def _options(vlm_dir, out, prompts, reward, **changes):
     from qwen35_jax.train.options import TrainOptions
 
     base = dict(model=str(vlm_dir / "model"), tokenizer=str(vlm_dir / "tokenizer"), objective="grpo",
-                data=[prompts], reward=reward, group_size=2, batch_size=8, grad_accum=2, max_new_tokens=4,
+                data=[prompts], reward=reward, group_size=2, batch_size=8, max_new_tokens=4,
                 temperature=1.0, lr=1e-2, final_lr_ratio=1.0, steps=3, save_every=2, out=str(out), mesh="fsdp=2,sp=4",
                 progress=False, seed=3, remat="none", kl_coef=0.05, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
                 max_patches=256)  # one patch bucket: one program for every step
@@ -97,9 +97,9 @@ def _trained(run_dir: Path) -> list[dict]:
 
 
 def test_grpo_with_images_on_fsdp2_sp4_sampler_equals_trainer_and_resumes_exactly(vlm_dir, tmp_path):
-    """Three steps of 4 prompts x 2 samples (two micro-batches, a KL reference): the sampler's log-probs
+    """Three steps of 4 prompts x 2 samples (with a KL reference): the sampler's log-probs
     (prefill with the images, decode at the mrope positions) equal the trainer's old log-probs, scored
-    with each micro-batch's VisionInputs and the rows' mrope positions, to float32 rounding; the run
+    with the batch's VisionInputs and the rows' mrope positions, to float32 rounding; the run
     stopped after step 2 and resumed gives step 3's rewards and loss again."""
     from qwen35_jax.objectives import train
 
@@ -120,8 +120,9 @@ def test_grpo_with_images_on_fsdp2_sp4_sampler_equals_trainer_and_resumes_exactl
 
 
 def test_rollout_rows_carry_their_images_and_the_sampled_log_probs_equal_the_full_forward(vlm_dir, tmp_path):
-    """One device, no fused kernel: each completion's sampled log-probs equal log_softmax of the model's
-    logits on the whole row (prompt + completion) with `vision_batch`'s positions and VisionInputs."""
+    """One device: each completion's sampled log-probs equal log_softmax of the model's logits on the
+    whole row (prompt + completion) with `vision_batch`'s positions and VisionInputs, and the online run's
+    old log-probs program (fused kernel, two micro-batches with their own images) gives them too."""
     from qwen35_jax.data.images import ImageProcessor
     from qwen35_jax.data.rows import load_tokenizer
     from qwen35_jax.generation.prompts import PromptEncoder
@@ -155,6 +156,23 @@ def test_rollout_rows_carry_their_images_and_the_sampled_log_probs_equal_the_ful
     forward = np.take_along_axis(log_probs[:, :-1], tokens[:, 1:, None], axis=-1)[..., 0]  # [N, S-1]
     assert mask[:, -1].sum() == 0 and mask.sum() == rollout.completion_lengths.sum() > 0
     np.testing.assert_allclose(rollout.sampler_log_probs[:, :-1][mask[:, :-1]], forward[mask[:, :-1]], atol=2e-5)
+    # the trainer's old log-probs program (fused kernel) on the batch as two micro-batches, each with its
+    # own images: the same numbers
+    from qwen35_jax.parallel.mesh import make_mesh
+    from qwen35_jax.rl.online import _vision_score_program
+    from qwen35_jax.scoring import ScoreOptions
+    from qwen35_jax.train.data import place_batch
+
+    mesh = make_mesh("fsdp=1,sp=1", jax.devices()[:1])
+    graphdef = nnx.graphdef(nnx.eval_shape(lambda: type(model)(config, rngs=nnx.Rngs(0))))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    with jax.set_mesh(mesh):
+        placed = place_batch(vision_batch(batch, config, grad_accum=2), mesh, 2, 1)
+        assert placed["vision"].patches.shape[0] == 2
+        scored = _vision_score_program(graphdef, config.kernels, ScoreOptions())(
+            params, {k: placed[k] for k in ("tokens", "segment_ids", "positions", "vision")})
+    scored = np.asarray(scored).reshape(len(tokens), -1)[:, :tokens.shape[1]]
+    np.testing.assert_allclose(scored[mask], rollout.sampler_log_probs[mask], atol=2e-5)
 
 
 def test_bad_image_prompts_are_one_line_and_write_nothing(vlm_dir, tmp_path, capsys):
