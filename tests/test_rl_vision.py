@@ -193,3 +193,46 @@ def test_bad_image_prompts_are_one_line_and_write_nothing(vlm_dir, tmp_path, cap
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and not out.exists(), err
     assert f"{prompts} row 2: image {tmp_path / 'data' / 'pics' / '1.png'}: file not found" in err
+
+
+def test_a_sampled_image_pad_ends_the_training_row_and_the_reward_sees_the_whole_completion(vlm_dir, tmp_path,
+                                                                                            monkeypatch):
+    """A completion holding an image pad (which the trainer would read as a placeholder without an image):
+    its row keeps the tokens before it, and the batch still passes `vision_batch`'s checks."""
+    import types
+
+    from qwen35_jax.data.images import ImageProcessor
+    from qwen35_jax.data.rows import load_tokenizer
+    from qwen35_jax.generation.api import Completion
+    from qwen35_jax.generation.prompts import PromptEncoder
+    from qwen35_jax.rl import rollout as rollout_module
+    from qwen35_jax.rl.prompt_stream import load_prompts_with_images
+    from qwen35_jax.rl.rollout import RolloutOptions, row_length, sample_rollouts
+    from qwen35_jax.train.vision import vision_batch
+
+    prompts, _ = _prompts(tmp_path / "data", n=2)
+    config = load_checkpoint(str(vlm_dir / "model"))[1]
+    encoder = PromptEncoder(load_tokenizer(str(vlm_dir / "tokenizer")), config.vocab_size,
+                            image_processor=ImageProcessor.from_vision_config(config.vision, min_pixels=MIN_PIXELS,
+                                                                              max_pixels=MAX_PIXELS))
+    rows, ids, images = load_prompts_with_images([prompts], encoder)
+    pad = config.image_token_id
+    sampled = [[5, 6, 7], [8, pad, 9]]
+
+    def fake_generate(model, chosen, **kwargs):
+        assert [x is None for x in kwargs["images"]] == [False]
+        return [Completion(0, s, sampled[s], [-0.5] * 3, "length") for s in range(2)]
+
+    seen = []
+    monkeypatch.setattr(rollout_module, "generate", fake_generate)
+    options = RolloutOptions(group_size=2, max_new_tokens=3, temperature=1.0, advantage="grpo", stop_token_ids=())
+    rollout = sample_rollouts(types.SimpleNamespace(config=config), rows, ids, [0], options=options, seed=0,
+                              mesh=None, reward=(lambda s: seen.append(s["completion_ids"]) or 1.0, "r"),
+                              encoder=encoder, seq_len=row_length(ids, 3), images=images)
+    n = len(ids[0])
+    tokens, mask = rollout.batch["tokens"], rollout.batch["loss_mask"]
+    assert tokens[0, n:n + 3].tolist() == [5, 6, 7] and mask[0].sum() == 3
+    assert tokens[1, n:n + 3].tolist() == [8, 0, 0] and mask[1].sum() == 1 and rollout.batch["segment_ids"][1].sum() == n + 1
+    assert rollout.sampler_log_probs[1].tolist().count(-0.5) == 1
+    assert seen == sampled  # the reward sees what was sampled
+    vision_batch(rollout.batch, config)  # placeholders and images agree
