@@ -100,23 +100,24 @@ def test_grpo_with_images_on_fsdp2_sp4_sampler_equals_trainer_and_resumes_exactl
     """Three steps of 4 prompts x 2 samples (with a KL reference): the sampler's log-probs
     (prefill with the images, decode at the mrope positions) equal the trainer's old log-probs, scored
     with the batch's VisionInputs and the rows' mrope positions, to float32 rounding; the run
-    stopped after step 2 and resumed gives step 3's rewards and loss again."""
+    stopped after step 2 and resumed gives step 3's rewards, loss and held-out reward again."""
     from qwen35_jax.objectives import train
 
     prompts, reward = _prompts(tmp_path / "data")
-    assert train(_options(vlm_dir, tmp_path / "full", prompts, reward)) == 0
+    evals = dict(eval_data=[prompts], eval_every=3)  # greedy answers to the prompts with their images
+    assert train(_options(vlm_dir, tmp_path / "full", prompts, reward, **evals)) == 0
     rows = _trained(tmp_path / "full")
+    assert rows[2]["eval_reward"] is not None
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(np.isfinite(r["loss"]) and r["reward_std"] > 0 for r in rows)
     assert max(r["logprob_mismatch"] for r in rows) < 1e-4, [r["logprob_mismatch"] for r in rows]
     shutil.copytree(tmp_path / "full", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "3")
-    assert train(_options(vlm_dir, tmp_path / "resumed", prompts, reward)) == 0
+    assert train(_options(vlm_dir, tmp_path / "resumed", prompts, reward, **evals)) == 0
     again = _trained(tmp_path / "resumed")
     assert [r["step"] for r in again] == [1, 2, 3]
-    np.testing.assert_allclose([again[2]["reward_mean"], again[2]["loss"], again[2]["logprob_mismatch"]],
-                               [rows[2]["reward_mean"], rows[2]["loss"], rows[2]["logprob_mismatch"]],
-                               rtol=1e-5, atol=1e-7)
+    keys = ("reward_mean", "loss", "logprob_mismatch", "eval_reward")
+    np.testing.assert_allclose([again[2][k] for k in keys], [rows[2][k] for k in keys], rtol=1e-5, atol=1e-7)
 
 
 def test_rollout_rows_carry_their_images_and_the_sampled_log_probs_equal_the_full_forward(vlm_dir, tmp_path):
