@@ -157,6 +157,10 @@ class OnlineRun(ObjectiveRun):
                                                           if options.eval_data else ([], [], []))
         # each prompt's images, when any prompt has some (None: a text-only run, the text programs)
         with_images = any(x is not None for x in images + eval_images)
+        if with_images and jax.process_count() > 1:
+            raise ValueError("--objective grpo with prompts with images runs in one process for now (any mesh of "
+                             "its devices): the rows' vision inputs are replicated and generation with images "
+                             "is single-process")
         self.images = images if with_images else None
         self.eval_images = eval_images if with_images else None
         stop = stop_token_ids(options.stop_token_ids, options.model, tokenizer)
