@@ -1,6 +1,12 @@
 """VLM SFT: `train.py --data chats.jsonl` with images trains a tiny VLM on fsdp=2,sp=4 like on one device,
 its loss is the model's own log-probs with the same vision inputs, --freeze-vision leaves the tower bit
-for bit, a prepared dataset with images gives the JSONL path's first loss, and bad inputs are one line."""
+for bit, a prepared dataset with images gives the JSONL path's first loss, and bad inputs are one line.
+
+Known issue (2026-12-07, 2-vCPU VM under load): the fsdp=2,sp=4 step of the VLM sometimes aborts in XLA:CPU's
+collective rendezvous ("Termination timeout for `collective permute ...` ... only 7 of them arrived", one
+device waiting in an all-gather the others have not started): the simulated devices run independent
+collectives of one program in different orders. Seen on some fresh compiles of the one-micro-batch step,
+never on the same program loaded from the compilation cache; run with --capture=sys to see XLA's message."""
 
 from __future__ import annotations
 
@@ -183,14 +189,16 @@ def test_sft_loss_is_the_models_own_log_probs_with_the_same_vision_inputs(mesh_r
 
 
 def test_resume_replays_the_rows_and_images_of_the_uninterrupted_run(vlm_dir, chats, mesh_run, tmp_path):
+    """Resumed at step 2 with 2 micro-batches a step (a change a resume allows): the same rows and images
+    come back, each micro-batch with its own vision inputs, and the losses follow the uninterrupted run
+    (micro-batch sums add in another order: float32 rounding, measured ~1e-7 relative)."""
     from qwen35_jax.train.loop import train
 
     straight, _ = mesh_run
     out = tmp_path / "resumed"
     assert train(_options(vlm_dir, out, [chats], steps=2, save_every=2, mesh="fsdp=2,sp=4")) == 0
-    assert train(_options(vlm_dir, out, [chats], steps=4, save_every=2, mesh="fsdp=2,sp=4")) == 0
-    # the same program on the same mesh: equal up to XLA:CPU's thread scheduling of float32 sums
-    np.testing.assert_allclose(_losses(out), _losses(straight), rtol=1e-6)
+    assert train(_options(vlm_dir, out, [chats], steps=4, save_every=2, mesh="fsdp=2,sp=4", grad_accum=2)) == 0
+    np.testing.assert_allclose(_losses(out), _losses(straight), rtol=1e-5)
 
 
 def test_freeze_vision_keeps_the_tower_bit_identical(vlm_dir, chats, tmp_path):
