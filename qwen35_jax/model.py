@@ -209,7 +209,8 @@ class Qwen35ForCausalLM(nnx.Module):
         self.visual: VisionTower | None = None  # built last: the text parameters draw the same random numbers
         if config.vision is not None:
             config.check_vision_fits()
-            self.visual = nnx.data(VisionTower(config.vision, config.dtype, config.param_dtype, rngs=rngs))
+            self.visual = nnx.data(VisionTower(config.vision, config.dtype, config.param_dtype,
+                                               remat=config.remat != "none", rngs=rngs))
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, segment_ids: jax.Array | None = None,
                  cache: HybridCache | None = None, vision: VisionInputs | None = None

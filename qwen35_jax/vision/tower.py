@@ -172,9 +172,13 @@ class PatchMerger(nnx.Module):
 
 
 class VisionTower(nnx.Module):
+    """remat: each block recomputed in the backward, only its input kept (the text model's remat
+    policies other than "none" ask for it: a 1024 x 1024 image is 4,096 patch rows through 27 blocks)."""
+
     def __init__(self, config: VisionConfig, dtype: str | jnp.dtype = "float32",
-                 param_dtype: str | jnp.dtype = "float32", *, rngs: nnx.Rngs):
+                 param_dtype: str | jnp.dtype = "float32", *, remat: bool = False, rngs: nnx.Rngs):
         self.config = config
+        self.remat = remat
         dt, pd = jnp.dtype(dtype), jnp.dtype(param_dtype)
         self.dtype = dt
         self.patch_embed = PatchEmbed(config, dt, pd, rngs=rngs)
@@ -216,9 +220,14 @@ class VisionTower(nnx.Module):
         x = constrain_rows(x + pos.astype(self.dtype))  # [P', D]
         cos, sin = (constrain_rows(a) for a in rope_cos_sin(rope_rows_cols, cfg, acc))  # [P', Dh] each
 
+        def step(block: VisionBlock, x: jax.Array) -> jax.Array:  # [P', D] -> [P', D]
+            return constrain_rows(block(x, cos, sin, segment_ids))
+
+        step = nnx.remat(step) if self.remat else step
+
         @nnx.scan(in_axes=(0, nnx.Carry), out_axes=nnx.Carry)
         def run(block: VisionBlock, x: jax.Array) -> jax.Array:
-            return constrain_rows(block(x, cos, sin, segment_ids))
+            return step(block, x)
 
         x = run(self.blocks, x)  # [P', D]
         return constrain_rows(self.merger(x))[: p // cfg.merge_unit]  # [P / mu, out_hidden_size]
