@@ -2,13 +2,11 @@
 its loss is the model's own log-probs with the same vision inputs, --freeze-vision leaves the tower bit
 for bit, a prepared dataset with images gives the JSONL path's first loss, and bad inputs are one line.
 
-Known issue (2026-12-07, 2-vCPU VM under load): the fsdp=2,sp=4 step of the VLM sometimes aborts in XLA:CPU's
-collective rendezvous ("Termination timeout for `collective permute ...` ... only 7 of them arrived", one
-device waiting in an all-gather the others have not started): the simulated devices run independent
-collectives of one program in different orders. Seen on some fresh compiles of the one-micro-batch step,
-never on the same program loaded from the compilation cache; run with --capture=sys to see XLA's message.
-With XLA_FLAGS=--xla_cpu_parallel_codegen_split_count=1 three fresh-compile runs in a row passed (about 5 of 8
-aborted without it that evening), so tests/compile_flags.py is the likely place for a fix."""
+Known issue (2026-12-07, 2-vCPU VM): the first run of a freshly compiled fsdp=2,sp=4 VLM step sometimes hangs in
+XLA:CPU's collectives (one simulated device in an all-gather the others have not started, the others in a
+collective permute); still stuck after 13 minutes under the 15-minute timeouts of tests/compile_flags.py, so it
+is a deadlock, not slowness. The same program loaded from the compilation cache runs, and with
+XLA_FLAGS=--xla_cpu_parallel_codegen_split_count=1 three fresh-compile runs in a row passed."""
 
 from __future__ import annotations
 
