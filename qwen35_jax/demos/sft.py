@@ -34,16 +34,10 @@ def corpus_dir() -> str:
 
 def simulate_cpu_devices() -> None:
     """CPU_DEVICES simulated devices on the CPU platform, unless XLA_FLAGS already says how many
-    (no effect on a GPU or TPU). Before jax is imported: the device count is read once.
-
-    The simulated devices are threads sharing the host's cores: on a busy machine one can reach a
-    collective long after the others, so XLA:CPU's rendezvous waits up to 15 minutes before ending
-    the process rather than its default."""
+    (no effect on a GPU or TPU). Before jax is imported: the device count is read once."""
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = (f"{flags} --xla_force_host_platform_device_count={CPU_DEVICES} "
-                                   f"--xla_cpu_collective_call_terminate_timeout_seconds=900 "
-                                   f"--xla_cpu_collective_timeout_seconds=900").strip()
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={CPU_DEVICES}".strip()
 
 
 def demo_defaults() -> dict[str, Any]:
