@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from compile_flags import in_default_scheduler_process
 from qwen35_kernels.gated_delta_rule.chunked import chunked_gated_delta_rule
 from qwen35_kernels.choices import KernelChoices
 
@@ -121,6 +122,8 @@ def test_mlp_remat_keeps_no_feed_forward_activations():
     I bytes at least, less one layer's that the backward recomputes at a time)."""
     from qwen35_jax.memory.step_memory import step_memory
 
+    if not in_default_scheduler_process(f"{__file__}::test_mlp_remat_keeps_no_feed_forward_activations"):
+        return
     seq, inter = 256, 1024
     devices = jax.devices()[:1]
     none, mlp = (step_memory(tiny(blocks=1, remat=policy).replace(intermediate_size=inter), seq, (1, 1),
@@ -365,6 +368,9 @@ def test_tiled_backward_holds_each_layers_buffers_only_during_its_own_backward()
     values and gradients agree."""
     from qwen35_jax.layers.tiling import tiled_over_sequence
 
+    if not in_default_scheduler_process(
+            f"{__file__}::test_tiled_backward_holds_each_layers_buffers_only_during_its_own_backward"):
+        return
     rng = np.random.default_rng(0)
     layers = [nnx.Linear(64, 64, rngs=nnx.Rngs(i)) for i in range(8)]
     graphdef, states = nnx.split(layers)
