@@ -114,28 +114,44 @@ def test_padding_rows_do_not_change_valid_outputs(pair):
     _close(out[:26], _ours(ours, x, MANY))  # bitwise equal only up to summation order over more keys
 
 
+GRAD_WEIGHTS = np.random.default_rng(3).standard_normal((26, CFG.out_hidden_size))  # MANY's 26 merged rows
+
+
+def _weighted_sum(tower: VisionTower):
+    """(graphdef, params, scalar(params, patches)): sum(tower(patches of MANY) * GRAD_WEIGHTS)."""
+    lay = vision_layout(MANY, CFG)
+    graphdef, params = nnx.split(tower)
+
+    def scalar(params, patches):
+        return jnp.sum(nnx.merge(graphdef, params)(patches, *(jnp.asarray(a) for a in lay[:4])) * GRAD_WEIGHTS)
+
+    return graphdef, params, scalar
+
+
+def _hf_backward(hf, x: np.ndarray) -> tuple[float, float, np.ndarray]:
+    """transformers' float64 (weighted sum, sum of |output|, its gradient w.r.t. the patches); the
+    parameters' gradients are left in `hf`."""
+    hf.zero_grad()
+    xt = torch.from_numpy(x).requires_grad_(True)
+    with torch_float64():
+        out = hf(xt, grid_thw=torch.tensor(MANY)).pooler_output
+        total = (out * torch.from_numpy(GRAD_WEIGHTS)).sum()
+        total.backward()
+    return total.item(), out.detach().abs().sum().item(), xt.grad.numpy()
+
+
 def test_gradients_match_torch_autograd(pair):
     ours, hf = pair
     x = _patches(104, seed=2)
-    weights = np.random.default_rng(3).standard_normal((26, CFG.out_hidden_size))
-    lay = vision_layout(MANY, CFG)
-    graphdef, params = nnx.split(ours)
-
-    def scalar(params, patches):
-        return jnp.sum(nnx.merge(graphdef, params)(patches, *(jnp.asarray(a) for a in lay[:4])) * weights)
-
+    _, params, scalar = _weighted_sum(ours)
     with jax.enable_x64(True):
         g_params, g_x = jax.jit(jax.grad(scalar, argnums=(0, 1)))(params, jnp.asarray(x))
         g_qkv = np.asarray(g_params["blocks"]["attn"]["qkv"]["kernel"][...])  # [depth, D, 3D]
         g_pos = np.asarray(g_params["pos_embed"]["embedding"][...])  # [36, D]
         g_patch = np.asarray(g_params["patch_embed"]["proj"]["kernel"][...])  # [patch_dim, D]
         g_x = np.asarray(g_x)
-    hf.zero_grad()
-    xt = torch.from_numpy(x).requires_grad_(True)
-    with torch_float64():
-        out = hf(xt, grid_thw=torch.tensor(MANY)).pooler_output
-        (out * torch.from_numpy(weights)).sum().backward()
-    _close(g_x, xt.grad.numpy())
+    _, _, want_x = _hf_backward(hf, x)
+    _close(g_x, want_x)
     for i in range(CFG.depth):
         _close(g_qkv[i], hf.blocks[i].attn.qkv.weight.grad.numpy().T)
     _close(g_pos, hf.pos_embed.weight.grad.numpy())
@@ -150,13 +166,7 @@ def test_rows_split_over_the_mesh_match_hf_and_each_device_holds_a_share(pair, m
 
     ours, hf = pair
     x = _patches(104, seed=2)
-    weights = np.random.default_rng(3).standard_normal((26, CFG.out_hidden_size))
-    lay = vision_layout(MANY, CFG)
-    graphdef, params = nnx.split(ours)
-
-    def scalar(params, patches):
-        return jnp.sum(nnx.merge(graphdef, params)(patches, *(jnp.asarray(a) for a in lay[:4])) * weights)
-
+    graphdef, params, scalar = _weighted_sum(ours)
     with jax.enable_x64(True), jax.set_mesh(mesh_2x4):
         sharded = nnx.split(shard_model(nnx.merge(graphdef, params), mesh_2x4))[1]
         fn = jax.jit(jax.value_and_grad(scalar, argnums=(0, 1)))
@@ -164,14 +174,9 @@ def test_rows_split_over_the_mesh_match_hf_and_each_device_holds_a_share(pair, m
         value, (g_params, g_x) = fn(sharded, jnp.asarray(x))
         value, g_x = float(value), np.asarray(g_x)
         g_qkv = np.asarray(g_params["blocks"]["attn"]["qkv"]["kernel"][...])  # [depth, D, 3D]
-    hf.zero_grad()
-    xt = torch.from_numpy(x).requires_grad_(True)
-    with torch_float64():
-        out = hf(xt, grid_thw=torch.tensor(MANY)).pooler_output
-        total = (out * torch.from_numpy(weights)).sum()
-        total.backward()
-    assert abs(value - total.item()) < RTOL * out.detach().abs().sum().item()
-    _close(g_x, xt.grad.numpy())
+    total, scale, want_x = _hf_backward(hf, x)
+    assert abs(value - total) < RTOL * scale
+    _close(g_x, want_x)
     for i in range(CFG.depth):
         _close(g_qkv[i], hf.blocks[i].attn.qkv.weight.grad.numpy().T)
     heads = CFG.num_heads
