@@ -14,16 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import transformers as tf
 from flax import nnx
 from torch.utils._python_dispatch import _disable_current_modes
 
-from float64_reference import float64_copy, torch_float64
+from float64_reference import torch_float64
 from qwen35_jax.data.mrope import decode_positions, expand_image_placeholders, mrope_positions
 from qwen35_jax.generation import generate
 from qwen35_jax.hf.load import load_hf
 from qwen35_jax.vision.inputs import build_vision_inputs
-from test_vlm import END, IDS, IMAGE, START, TEXT, VIDEO, VISION, _init
+from test_vlm import END, IMAGE, START, VIDEO, write_hf_vlm
 
 PATCH_DIM = 3 * 2 * 4 * 4  # channels x temporal patch x patch x patch
 STEPS = 8
@@ -38,14 +37,7 @@ SAME_MODEL_ATOL = 1e-5
 def vlm(tmp_path_factory: pytest.TempPathFactory):
     """(our VLM, the same weights without the tower, the float64 transformers model)."""
     path = str(tmp_path_factory.mktemp("vlm") / "hf")
-    config = tf.Qwen3_5Config(text_config=TEXT, vision_config=VISION, **IDS)
-    model = tf.Qwen3_5ForConditionalGeneration._from_config(config, attn_implementation="eager")
-    _init(model)
-    model.float().save_pretrained(path)
-    ref = float64_copy(model)
-    with torch_float64():  # the tower's rotary buffer was built in float32 at construction
-        inv_freq, _ = ref.model.visual.rotary_pos_emb.compute_axial_rope_parameters(ref.model.visual.config)
-    ref.model.visual.rotary_pos_emb.inv_freq = inv_freq
+    ref = write_hf_vlm(path)
     rope_index = ref.model.get_rope_index
 
     def integer_rope_index(*args, **kwargs):  # integer positions; it makes float32 on the way, refused in float64

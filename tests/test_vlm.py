@@ -64,10 +64,9 @@ def _init(model: torch.nn.Module) -> None:
                 p.copy_(torch.randn_like(p) * 0.1)
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory: pytest.TempPathFactory):
-    """(HF checkpoint dir, our model loaded from it with the tower, its config, the float64 transformers model)."""
-    path = str(tmp_path_factory.mktemp("vlm") / "hf")
+def write_hf_vlm(path: str):
+    """A random tiny `Qwen3_5ForConditionalGeneration` (TEXT, VISION, IDS) saved at `path` in float32;
+    returns its float64 copy, the tower's rotary buffer recomputed in float64."""
     config = tf.Qwen3_5Config(text_config=TEXT, vision_config=VISION, **IDS)
     model = tf.Qwen3_5ForConditionalGeneration._from_config(config, attn_implementation="eager")
     _init(model)
@@ -76,6 +75,14 @@ def vlm(tmp_path_factory: pytest.TempPathFactory):
     with torch_float64():  # the tower's rotary buffer was built in float32 at construction
         inv_freq, _ = ref.model.visual.rotary_pos_emb.compute_axial_rope_parameters(ref.model.visual.config)
     ref.model.visual.rotary_pos_emb.inv_freq = inv_freq
+    return ref
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory: pytest.TempPathFactory):
+    """(HF checkpoint dir, our model loaded from it with the tower, its config, the float64 transformers model)."""
+    path = str(tmp_path_factory.mktemp("vlm") / "hf")
+    ref = write_hf_vlm(path)
     ours, cfg, _ = load_hf(path, text_only=False)
     return path, ours, cfg, ref
 
