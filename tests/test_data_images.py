@@ -37,12 +37,18 @@ VISION_TEMPLATE = CHAT_TEMPLATE.replace("'\\n' + message['content'] + '<|im_end|
                                         "'\\n' }}" + _CONTENT + "{{ '<|im_end|>\\n' }}")
 
 
-@pytest.fixture(scope="module")
-def tokenizer_dir(tmp_path_factory):
-    assert VISION_TEMPLATE != CHAT_TEMPLATE
+def vision_tokenizer():
+    """(a copy of the demo tokenizer with VISION_TOKENS added and VISION_TEMPLATE, their ids (start, pad, end))."""
     tok = copy.deepcopy(demo_tokenizer())
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
     tok.chat_template = VISION_TEMPLATE
+    return tok, tuple(tok.convert_tokens_to_ids(VISION_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    assert VISION_TEMPLATE != CHAT_TEMPLATE
+    tok, _ = vision_tokenizer()
     path = str(tmp_path_factory.mktemp("vision-tokenizer"))
     tok.save_pretrained(path)
     return path

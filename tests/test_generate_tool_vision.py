@@ -2,7 +2,6 @@
 (images relative to the JSONL's folder, --min-pixels/--max-pixels), and the image rows it cannot answer are
 one error line naming the row, exit 2, nothing written."""
 
-import copy
 import json
 import os
 
@@ -12,7 +11,7 @@ import transformers as tf
 from flax import nnx
 from PIL import Image
 
-from data_testutil import demo_tokenizer, write_jsonl
+from data_testutil import write_jsonl
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.data.images import ImageProcessor
 from qwen35_jax.data.rows import PromptEncoder, load_tokenizer
@@ -21,7 +20,7 @@ from qwen35_jax.generation.tool import main
 from qwen35_jax.hf.export import export_hf
 from qwen35_jax.hf.load import load_hf
 from qwen35_jax.model import Qwen35ForCausalLM
-from test_data_images import VISION_TEMPLATE, VISION_TOKENS
+from test_data_images import vision_tokenizer
 from test_vlm import TEXT, VISION, _init
 
 VOCAB = 272  # the demo tokenizer's 256 tokens, its 3 vision tokens, room to spare
@@ -32,10 +31,7 @@ PIXELS = ["--min-pixels", "512", "--max-pixels", "4096"]
 def checkpoints(tmp_path_factory):
     """(an HF VLM checkpoint with a tokenizer holding the vision tokens, a text-only one with the same tokenizer)."""
     root = tmp_path_factory.mktemp("ckpts")
-    tok = copy.deepcopy(demo_tokenizer())
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tok.chat_template = VISION_TEMPLATE
-    start, pad, end = tok.convert_tokens_to_ids(VISION_TOKENS)
+    tok, (start, pad, end) = vision_tokenizer()
     config = tf.Qwen3_5Config(text_config={**TEXT, "vocab_size": VOCAB}, vision_config=VISION, image_token_id=pad,
                               video_token_id=VOCAB - 1, vision_start_token_id=start, vision_end_token_id=end)
     model = tf.Qwen3_5ForConditionalGeneration._from_config(config, attn_implementation="eager")

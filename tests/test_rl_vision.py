@@ -5,7 +5,6 @@ written."""
 
 from __future__ import annotations
 
-import copy
 import json
 import shutil
 from pathlib import Path
@@ -17,12 +16,10 @@ import pytest
 from flax import nnx
 from PIL import Image, ImageDraw
 
-from data_testutil import demo_tokenizer, write_jsonl
+from data_testutil import write_jsonl
 from hf_testutil import load_script
-from qwen35_jax.checkpoint import load_checkpoint, save_checkpoint
-from qwen35_jax.config import Qwen35Config
-from qwen35_jax.vision.config import VisionConfig
-from test_data_images import VISION_TEMPLATE, VISION_TOKENS
+from qwen35_jax.checkpoint import load_checkpoint
+from test_train_vision import write_tiny_vlm
 
 MIN_PIXELS, MAX_PIXELS = 256, 1024  # 16 .. 64 patches of 4 x 4
 COLOURS = {"red": (230, 20, 20), "green": (20, 200, 40), "blue": (30, 30, 220)}
@@ -42,19 +39,7 @@ def red_low_ids(sample):
 @pytest.fixture(scope="module")
 def vlm_dir(tmp_path_factory):
     """A tiny VLM checkpoint and its tokenizer, whose vision tokens are the config's placeholder ids."""
-    path = tmp_path_factory.mktemp("vlm")
-    tok = copy.deepcopy(demo_tokenizer())
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tok.chat_template = VISION_TEMPLATE
-    start, pad, end = tok.convert_tokens_to_ids(VISION_TOKENS)
-    config = Qwen35Config.preset("tiny", vocab_size=512, hf_model_type="qwen3_5", vision=VisionConfig.preset("tiny"),
-                                 image_token_id=pad, video_token_id=pad + 10, vision_start_token_id=start,
-                                 vision_end_token_id=end)
-    from qwen35_jax.model import Qwen35ForCausalLM
-
-    save_checkpoint(str(path / "model"), Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), config)
-    tok.save_pretrained(str(path / "tokenizer"))
-    return path
+    return write_tiny_vlm(tmp_path_factory.mktemp("vlm"))
 
 
 def _square(path: Path, size: tuple[int, int], colour: str) -> None:

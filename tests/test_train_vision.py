@@ -9,10 +9,8 @@ avoided it in every run since (the numbers are there)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import sys
 from pathlib import Path
 
 import jax
@@ -22,13 +20,12 @@ import pytest
 from flax import nnx
 from PIL import Image, ImageDraw
 
-from data_testutil import demo_tokenizer, write_jsonl
+from data_testutil import write_jsonl
 from hf_testutil import load_script
 from qwen35_jax.checkpoint import load_checkpoint, save_checkpoint
 from qwen35_jax.config import Qwen35Config
-from qwen35_jax.data.image_rows import IMAGE_PAD
 from qwen35_jax.vision.config import VisionConfig
-from test_data_images import VISION_TEMPLATE, VISION_TOKENS
+from test_data_images import vision_tokenizer
 
 MIN_PIXELS, MAX_PIXELS = 256, 1024  # 16 .. 64 patches of 4 x 4
 # 56 tokens a row: the 8 chat rows below (35 to 54 tokens) pack one to a row, so a batch of 8 holds them all
@@ -36,23 +33,23 @@ BASE = dict(seq_len=56, batch_size=8, lr=3e-3, warmup_steps=1, schedule_steps=4,
             min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS, weight_decay=0.01)
 
 
-@pytest.fixture(scope="module")
-def vlm_dir(tmp_path_factory):
-    """(a tiny VLM checkpoint directory holding its tokenizer, the tokenizer) - the tokenizer's vision
-    tokens are the config's placeholder ids."""
-    path = tmp_path_factory.mktemp("vlm")
-    tok = copy.deepcopy(demo_tokenizer())
-    tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tok.chat_template = VISION_TEMPLATE
-    start, pad, end = tok.convert_tokens_to_ids(VISION_TOKENS)
+def write_tiny_vlm(path: Path) -> Path:
+    """A tiny VLM checkpoint at `path`/model and its tokenizer at `path`/tokenizer, the tokenizer's vision
+    tokens being the config's placeholder ids; returns `path`."""
+    from qwen35_jax.model import Qwen35ForCausalLM
+
+    tok, (start, pad, end) = vision_tokenizer()
     config = Qwen35Config.preset("tiny", vocab_size=512, hf_model_type="qwen3_5", vision=VisionConfig.preset("tiny"),
                                  image_token_id=pad, video_token_id=pad + 10, vision_start_token_id=start,
                                  vision_end_token_id=end)
-    from qwen35_jax.model import Qwen35ForCausalLM
-
     save_checkpoint(str(path / "model"), Qwen35ForCausalLM(config, rngs=nnx.Rngs(0)), config)
     tok.save_pretrained(str(path / "tokenizer"))
     return path
+
+
+@pytest.fixture(scope="module")
+def vlm_dir(tmp_path_factory):
+    return write_tiny_vlm(tmp_path_factory.mktemp("vlm"))
 
 
 def _draw(path: Path, size: tuple[int, int], seed: int) -> None:
