@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from qwen35_jax.parallel.mesh import AXES, auto_mesh, constrain
+from qwen35_jax.parallel.padding import padded_size
 
 PATCHES_P = P(AXES)  # per-patch scalars [P]: rows over every device
 PATCHES_PD = P(AXES, None)  # patch rows [P, D]
@@ -42,7 +43,7 @@ def constrain_rows(x: jax.Array) -> jax.Array:
 def pad_rows(arrays: tuple[jax.Array, ...], multiple: int) -> tuple[jax.Array, ...]:
     """Each [P, ...] array with zero rows appended up to a multiple of `multiple` (segment id 0: padding)."""
     p = arrays[0].shape[0]
-    extra = -(-p // multiple) * multiple - p
+    extra = padded_size(p, multiple) - p
     if extra == 0:
         return arrays
     return tuple(jnp.pad(a, ((0, extra),) + ((0, 0),) * (a.ndim - 1)) for a in arrays)

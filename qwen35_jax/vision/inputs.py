@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from qwen35_jax.parallel.padding import padded_size
 from qwen35_jax.vision.config import VisionConfig
 from qwen35_jax.vision.layout import count_patches, vision_layout
 
@@ -39,7 +40,7 @@ def patch_bucket(num_patches: int, merge_unit: int) -> int:
     to a whole number of merge windows. Few distinct shapes, at most ~2x the patches."""
     p = max(int(num_patches), merge_unit, 1)
     p = 1 << (p - 1).bit_length()
-    return -(-p // merge_unit) * merge_unit
+    return padded_size(p, merge_unit)
 
 
 def build_vision_inputs(images: Sequence[tuple[np.ndarray, Sequence[int]]], config: VisionConfig,
