@@ -55,21 +55,21 @@ def _check_processor_fits(info: dict[str, Any], processor: ImageProcessor, direc
                          f"{processor.merge_size}: prepare the data with the model's checkpoint")
 
 
-def image_processor_for(vision: VisionConfig | None, model_dir: str | None = None, *, min_pixels: int | None = None,
+def image_processor_for(vision: VisionConfig | None, *model_dirs: str | None, min_pixels: int | None = None,
                         max_pixels: int | None = None) -> ImageProcessor | None:
-    """The image processor of a model with the vision tower `vision` (None without one): the checkpoint
-    directory's preprocessor_config.json when it has one, else Qwen3.5's settings for the tower (a preset
-    or random model, or one of our checkpoints); min/max pixels overridden when given."""
-    import os
-
-    from qwen35_jax.data.images import PREPROCESSOR_CONFIG, ImageProcessor
+    """The image processor of a model with the vision tower `vision` (None without one): the
+    preprocessor_config.json of the first of `model_dirs` holding one (`preprocessor_dir`), else Qwen3.5's
+    settings for the tower (a preset or random model, or one of our checkpoints); min/max pixels
+    overridden when given."""
+    from qwen35_jax.data.images import ImageProcessor, preprocessor_dir
 
     if vision is None:
         if min_pixels is not None or max_pixels is not None:
             raise ValueError("--min-pixels/--max-pixels size images, but the model has no vision tower")
         return None
-    if model_dir is not None and os.path.isfile(os.path.join(model_dir, PREPROCESSOR_CONFIG)):
-        return ImageProcessor.from_pretrained(model_dir, min_pixels=min_pixels, max_pixels=max_pixels, vision=vision)
+    directory = preprocessor_dir(model_dirs)
+    if directory is not None:
+        return ImageProcessor.from_pretrained(directory, min_pixels=min_pixels, max_pixels=max_pixels, vision=vision)
     return ImageProcessor.from_vision_config(vision, min_pixels=min_pixels, max_pixels=max_pixels)
 
 

@@ -51,6 +51,11 @@ def _first_line(err: BaseException) -> str:
     return (str(err).splitlines() or [type(err).__name__])[0]
 
 
+def preprocessor_dir(directories: Sequence[str | None]) -> str | None:
+    """The first of `directories` (None entries skipped) that holds a preprocessor_config.json."""
+    return next((d for d in directories if d and os.path.isfile(os.path.join(d, PREPROCESSOR_CONFIG))), None)
+
+
 def resolve_image_path(path: str, base_dir: str | None) -> str:
     """`path` as written in a row: absolute, or relative to `base_dir` (the JSONL file's folder; the
     working directory when None)."""

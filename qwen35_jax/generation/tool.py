@@ -138,20 +138,17 @@ def image_processor(model_path: str, tokenizer_dir: str | None, vision: Any, min
                     max_pixels: int | None) -> tuple[Any, str]:
     """(the `ImageProcessor` for `vision`, where its settings came from): the preprocessor_config.json of
     the checkpoint, its tokenizer directory or its run's --model, else Qwen3.5's settings for the tower."""
-    from qwen35_jax.data.images import PREPROCESSOR_CONFIG, ImageProcessor
+    from qwen35_jax.data.batches import image_processor_for
+    from qwen35_jax.data.images import PREPROCESSOR_CONFIG, preprocessor_dir
     from qwen35_jax.generation.prompts import run_dir_of, run_options
 
     candidates = [model_path, tokenizer_dir]
     run = run_dir_of(model_path)
     if run is not None:
         candidates.append(run_options(run).get("model"))
-    for directory in filter(None, candidates):
-        if os.path.isfile(os.path.join(directory, PREPROCESSOR_CONFIG)):
-            processor = ImageProcessor.from_pretrained(directory, min_pixels=min_pixels, max_pixels=max_pixels,
-                                                       vision=vision)
-            return processor, os.path.join(directory, PREPROCESSOR_CONFIG)
-    return (ImageProcessor.from_vision_config(vision, min_pixels=min_pixels, max_pixels=max_pixels),
-            "Qwen3.5 defaults")
+    directory = preprocessor_dir(candidates)
+    processor = image_processor_for(vision, directory, min_pixels=min_pixels, max_pixels=max_pixels)
+    return processor, "Qwen3.5 defaults" if directory is None else os.path.join(directory, PREPROCESSOR_CONFIG)
 
 
 def load_generation_model(model_path: str, dtype: str | None, mesh: Any, vision: bool) -> tuple[Any, Any]:
