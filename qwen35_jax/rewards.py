@@ -66,3 +66,18 @@ def reversed_digits(sample: dict[str, Any]) -> float:
         return 1.0
     right = sum(a == b for a, b in zip(got, want))
     return 0.5 * right / max(len(got), len(want))
+
+
+def answer_words(sample: dict[str, Any]) -> float:
+    """A short answer's words: the share of the row's `answer` words that the completion text has in
+    their place, counted against the longer of the two (extra words cost as much as missing ones), so
+    1.0 exactly when the completion's words are the answer's. The vision demo's reward
+    (`qwen35_jax.demos.vision`: "blue triangle" scores 0.5 for "blue square" or "blue triangle again")."""
+    if "completion" not in sample:
+        raise ValueError("answer_words needs the completion text: give the run a tokenizer")
+    if "answer" not in sample:
+        raise ValueError("answer_words needs an 'answer' field in the data row")
+    got, want = sample["completion"].split(), str(sample["answer"]).split()
+    if not got and not want:
+        return 1.0
+    return sum(a == b for a, b in zip(got, want)) / max(len(got), len(want))

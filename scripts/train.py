@@ -3,6 +3,7 @@
 
     python scripts/train.py                                   # the demo: tiny model, bundled corpus, runs/demo
     python scripts/train.py --demo grpo                       # online RL demo: digit reversal, runs/demo-grpo
+    python scripts/train.py --demo vision                     # a tiny VLM names shapes: SFT + GRPO, runs/demo-vision
     python scripts/train.py (--model DIR | --preset NAME) (--data PATH... | --synthetic) --out RUN [options]
     python scripts/train.py --config RUN/config.yaml          # resume RUN (or any YAML/JSON options file)
 
@@ -22,11 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     with StopRequest() as stop:  # before jax loads: a SIGTERM during set-up is a clean stop too
         if argv[:1] == ["--demo"]:
-            if argv[1:] not in (["sft"], ["grpo"]):
-                print("error: --demo takes sft (the default demo) or grpo, and nothing else", file=sys.stderr)
+            if argv[1:] not in (["sft"], ["grpo"], ["vision"]):
+                print("error: --demo takes sft (the default demo), grpo or vision, and nothing else", file=sys.stderr)
                 return 2
-            if argv[1] == "grpo":
-                from qwen35_jax.demos.grpo import run_demo
+            if argv[1] in ("grpo", "vision"):
+                from importlib import import_module
+
+                run_demo = import_module(f"qwen35_jax.demos.{argv[1]}").run_demo
                 try:
                     return run_demo(stop)
                 except ValueError as err:

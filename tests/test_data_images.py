@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from data_testutil import demo_tokenizer, write_jsonl
-from qwen35_jax.data.demo.tokenizer import CHAT_TEMPLATE
+from qwen35_jax.data.demo.tokenizer import CHAT_TEMPLATE, VISION_CHAT_TEMPLATE, VISION_TOKENS
 from qwen35_jax.data.image_rows import IMAGE_PAD, RowImages, expand_images, image_loss_mask, image_spans
 from qwen35_jax.data.images import (QWEN35_MAX_PIXELS, QWEN35_MIN_PIXELS, ImageError, ImageProcessor,
                                     load_image)
@@ -26,28 +26,19 @@ from qwen35_jax.vision.config import VisionConfig
 VOCAB = 512  # the demo tokenizer's 256 tokens plus the three vision tokens
 TINY = VisionConfig.preset("tiny")  # patch 4, temporal 2, merge 2: 8-pixel grid cells, patch_dim 96
 MIN_PIXELS, MAX_PIXELS = 512, 4096  # 32 .. 256 patches of 4 x 4
-VISION_TOKENS = ["<|vision_start|>", IMAGE_PAD, "<|vision_end|>"]
-# The demo ChatML template, a non-assistant content list rendered as Qwen's templates render it: each
-# image part as <|vision_start|><|image_pad|><|vision_end|>, each text part as its text.
-_CONTENT = ("{%- if message['content'] is string -%}{{ message['content'] }}{%- else -%}"
-            "{%- for part in message['content'] -%}{%- if part['type'] == 'image' -%}"
-            "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{%- else -%}{{ part['text'] }}{%- endif -%}"
-            "{%- endfor -%}{%- endif -%}")
-VISION_TEMPLATE = CHAT_TEMPLATE.replace("'\\n' + message['content'] + '<|im_end|>\\n' }}",
-                                        "'\\n' }}" + _CONTENT + "{{ '<|im_end|>\\n' }}")
 
 
 def vision_tokenizer():
-    """(a copy of the demo tokenizer with VISION_TOKENS added and VISION_TEMPLATE, their ids (start, pad, end))."""
+    """(a copy of the demo tokenizer with VISION_TOKENS added and VISION_CHAT_TEMPLATE, their ids (start, pad, end))."""
     tok = copy.deepcopy(demo_tokenizer())
     tok.add_special_tokens({"additional_special_tokens": VISION_TOKENS})
-    tok.chat_template = VISION_TEMPLATE
+    tok.chat_template = VISION_CHAT_TEMPLATE
     return tok, tuple(tok.convert_tokens_to_ids(VISION_TOKENS))
 
 
 @pytest.fixture(scope="module")
 def tokenizer_dir(tmp_path_factory):
-    assert VISION_TEMPLATE != CHAT_TEMPLATE
+    assert VISION_CHAT_TEMPLATE != CHAT_TEMPLATE
     tok, _ = vision_tokenizer()
     path = str(tmp_path_factory.mktemp("vision-tokenizer"))
     tok.save_pretrained(path)
@@ -167,7 +158,7 @@ def test_a_chat_row_with_two_images(tok, tokenizer_dir, processor, tmp_path):
     assert tok.decode(tokens[1:][loss_mask[:-1] == 1]) == "The fox eats berries.<|im_end|>\n"
     # the same row through a template without generation markers (prefix rendering), as Qwen's templates
     plain = copy.deepcopy(tok)
-    plain.chat_template = VISION_TEMPLATE.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
+    plain.chat_template = VISION_CHAT_TEMPLATE.replace("{%- generation -%}", "").replace("{%- endgeneration -%}", "")
     again = RowEncoder(tokenizer_dir, VOCAB, loaded=plain, image_processor=processor).encode(
         {"messages": messages}, str(tmp_path))
     assert again[0].tolist() == tokens.tolist() and again[1].tolist() == loss_mask.tolist()

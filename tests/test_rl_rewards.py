@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from qwen35_jax.rewards import exact_answer, final_answer, reversed_digits
+from qwen35_jax.rewards import answer_words, exact_answer, final_answer, reversed_digits
 from qwen35_jax.rl.advantages import group_advantages
 from qwen35_jax.rl.prompt_stream import PromptStream
 from qwen35_jax.rl.reward_fn import RewardError, call_reward, load_reward
@@ -78,6 +78,17 @@ def test_reversed_digits_reward():
     assert reversed_digits({**row, "completion_ids": [13, 12]}) == 0.5 * 2 / 3  # cut before the last digit
     assert reversed_digits({**row, "completion_ids": [13, 12, 11]}) == 0.5  # right digits, no end token
     assert reversed_digits({**row, "completion_ids": [3]}) == 0.0
+
+
+def test_answer_words_reward():
+    row = {"answer": "blue triangle"}
+    assert answer_words({**row, "completion": " blue  triangle\n"}) == 1.0  # whitespace is not a word
+    assert answer_words({**row, "completion": "blue square"}) == 0.5
+    assert answer_words({**row, "completion": "blue triangle again"}) == 2 / 3  # over the longer of the two
+    assert answer_words({**row, "completion": "triangle"}) == 0.0  # a word counts in its place only
+    assert answer_words({**row, "completion": ""}) == 0.0
+    with pytest.raises(ValueError, match="'answer' field"):
+        answer_words({"completion": "blue"})
 
 
 def test_prompt_stream_order_and_resume():
