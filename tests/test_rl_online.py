@@ -55,7 +55,7 @@ def _metrics(run_dir):
 def test_grpo_runs_logs_its_metrics_resumes_exactly_and_learns(tmp_path):
     assert train(_options(tmp_path, "full", steps=6, eval_data=[_files(tmp_path)[0]], eval_every=3)) == 0
     rows = [r for r in _metrics(tmp_path / "full") if "loss" in r]
-    for key in ("reward_mean", "reward_std", "response_length_mean", "truncated_fraction", "entropy",
+    for key in ("reward_mean", "reward_std", "frac_reward_zero_std", "response_length_mean", "truncated_fraction", "entropy",
                 "clip_fraction", "logprob_mismatch", "rollout_seconds", "update_seconds", "rollout_tokens_per_sec",
                 "update_tokens_per_sec"):
         assert all(r[key] is not None for r in rows), key

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from qwen35_jax.rewards import answer_words, exact_answer, final_answer, reversed_digits
-from qwen35_jax.rl.advantages import group_advantages
+from qwen35_jax.rl.advantages import group_advantages, zero_std_fraction
 from qwen35_jax.rl.prompt_stream import PromptStream
 from qwen35_jax.rl.reward_fn import RewardError, call_reward, load_reward
 
@@ -31,6 +31,8 @@ def test_advantages_by_hand():
         group_advantages(np.ones((2, 1)), "rloo")
     with pytest.raises(ValueError, match="advantage must be one of"):
         group_advantages(rewards, "ppo")
+    assert zero_std_fraction(rewards) == 1 / 3  # the all-2.0 group
+    assert zero_std_fraction(np.array([[5.0], [1.0]])) == 1.0  # a group of one has nothing to compare
 
 
 def test_reward_contract_errors_name_function_row_and_problem(tmp_path):
@@ -101,3 +103,27 @@ def test_prompt_stream_order_and_resume():
     c = PromptStream(5, 3, seed=7)
     c.set_state(state)
     assert [c.next_prompts() for _ in range(3)] == first[1:]
+
+
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_mask_truncated_drops_cut_completions_from_the_loss_only(monkeypatch, mask_truncated):
+    """--mask-truncated: a completion cut at --max-new-tokens ("length") has no loss tokens; its reward
+    still counts in its group's advantages, and its tokens stay in the row."""
+    from qwen35_jax.generation.api import Completion
+    from qwen35_jax.generation.prompts import PromptEncoder
+    from qwen35_jax.rl import rollout as rollout_module
+    from qwen35_jax.rl.rollout import RolloutOptions, row_length, sample_rollouts
+
+    rows, prompts = [{"prompt_ids": [1, 2], "_source": "row 1"}], [[1, 2]]
+    sampled = [([5, 3], "stop"), ([6, 6, 6], "length"), ([7, 3], "stop")]
+    monkeypatch.setattr(rollout_module, "generate", lambda model, chosen, **kw: [
+        Completion(0, s, ids, [-0.5] * len(ids), why) for s, (ids, why) in enumerate(sampled)])
+    options = RolloutOptions(group_size=3, max_new_tokens=3, temperature=1.0, advantage="grpo", stop_token_ids=(3,),
+                             mask_truncated=mask_truncated)
+    rollout = sample_rollouts(None, rows, prompts, [0], options=options, seed=0, mesh=None,
+                              reward=(lambda s: float(s["completion_ids"][0]), "r"), encoder=PromptEncoder(None, 16),
+                              seq_len=row_length(prompts, 3))
+    mask = rollout.batch["loss_mask"].sum(axis=1)
+    assert mask.tolist() == ([2, 0, 2] if mask_truncated else [2, 3, 2])
+    assert rollout.batch["tokens"][1, 2:5].tolist() == [6, 6, 6] and rollout.truncated.tolist() == [False, True, False]
+    np.testing.assert_allclose(rollout.batch["advantages"], [-1, 0, 1], atol=1e-5)  # rewards 5, 6, 7: std 1

@@ -34,3 +34,12 @@ def group_advantages(rewards: np.ndarray, method: str) -> np.ndarray:  # [P, G] 
         return centred * (g / (g - 1))
     std = r.std(axis=1, ddof=1, keepdims=True) if g > 1 else np.ones_like(r[:, :1])
     return centred / (std + STD_EPS)
+
+
+def zero_std_fraction(rewards: np.ndarray) -> float:
+    """The share of groups in `rewards` [prompts, group size] whose rewards are all equal: they get
+    advantage 0 and teach nothing (TRL logs it as frac_reward_zero_std)."""
+    r = np.asarray(rewards, np.float64)
+    if r.ndim != 2 or r.size == 0:
+        raise ValueError(f"rewards must be [prompts, group size], got shape {r.shape}")
+    return float(np.mean(r.max(axis=1) == r.min(axis=1)))

@@ -39,6 +39,7 @@ from qwen35_jax.generation.prompts import (
     stop_token_ids,
 )
 from qwen35_jax.parallel.processes import gather_rows
+from qwen35_jax.rl.advantages import zero_std_fraction
 from qwen35_jax.rl.prompt_stream import PromptStream, check_prompt_images, load_prompts_with_images
 from qwen35_jax.rl.reference import check_reference, kl_reference
 from qwen35_jax.rl.reward_fn import call_reward, load_reward
@@ -166,7 +167,7 @@ class OnlineRun(ObjectiveRun):
         stop = stop_token_ids(options.stop_token_ids, options.model, tokenizer)
         self.rollout = RolloutOptions(group_size=options.group_size, max_new_tokens=options.max_new_tokens,
                                       temperature=setup.step_options.temperature, advantage=options.advantage,
-                                      stop_token_ids=tuple(stop))
+                                      stop_token_ids=tuple(stop), mask_truncated=options.mask_truncated)
         self.stream = PromptStream(len(self.rows), per_step, seed=options.seed)
         self.reward = load_reward(options.reward)
         self.seq_len = row_length(self.prompts + self.eval_prompts, options.max_new_tokens)
@@ -210,6 +211,7 @@ class OnlineRun(ObjectiveRun):
                                                                  rollout.truncated))
         metrics = {**metrics, "applied": float(applied == o.ppo_epochs), "updates_applied": applied,
                    "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+                   "frac_reward_zero_std": zero_std_fraction(rewards.reshape(-1, o.group_size)),
                    "response_length_mean": float(lengths.mean()), "truncated_fraction": float(truncated.mean()),
                    "logprob_mismatch": mismatch, "rollout_seconds": rollout.seconds,
                    "update_seconds": update_seconds,

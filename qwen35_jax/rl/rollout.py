@@ -41,6 +41,7 @@ class RolloutOptions:
     temperature: float
     advantage: str
     stop_token_ids: tuple[int, ...]
+    mask_truncated: bool = False  # a completion cut at max_new_tokens gets no loss tokens
 
 
 @dataclasses.dataclass
@@ -110,7 +111,7 @@ def sample_rollouts(
         L, m = len(prompt), len(kept)
         tokens[j, :L + m] = prompt + kept
         segment_ids[j, :L + m] = 1
-        loss_mask[j, L - 1:L - 1 + m] = 1
+        loss_mask[j, L - 1:L - 1 + m] = not (options.mask_truncated and c.finish_reason == "length")
         sampler[j, L - 1:L - 1 + m] = c.log_probs[:m]
         row = rows[indices[c.prompt_index]]
         sample = reward_sample(row, prompt, done, c.finish_reason, encoder)

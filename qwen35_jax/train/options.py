@@ -85,6 +85,8 @@ class TrainOptions:
     advantage: str = _opt("grpo", "grpo: advantages from each group's rewards: grpo (mean and std), drgrpo "
                                   "(mean only) or rloo (leave-one-out mean)", "rl")
     ppo_epochs: int = _opt(1, "grpo: optimizer updates on each step's rollouts", "rl")
+    mask_truncated: bool = _opt(False, "grpo: completions cut by --max-new-tokens add nothing to the loss (their "
+                                       "rewards still count in their groups' advantages)", "rl")
     stop_token_ids: str | None = _opt(None, "grpo: comma-separated ids that end a completion (default: the "
                                             "model's eos ids)", "rl")
     chat_template_kwargs: str | None = _opt(None, "grpo: JSON object passed to the chat template of "
