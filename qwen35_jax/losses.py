@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from qwen35_kernels import linear_logprob_entropy
 from qwen35_kernels.choices import KernelChoices
 
-AGGREGATIONS = ("token_mean", "seq_mean")
+AGGREGATIONS = ("token_mean", "seq_mean")  # of `policy_loss`, the library function on one array
 
 
 def token_log_probs(
@@ -108,11 +108,16 @@ def policy_terms(
     ref_log_probs: jax.Array | None = None,  # [B, S] reference policy log p(label)
     kl_coef: float = 0.0,
     kl_estimator: str = "low_var_kl",
+    sequence_mask: jax.Array | None = None,  # [B, S] 0/1: GSPO's sequence ratios over these tokens
 ) -> dict[str, jax.Array]:  # every value [B, S]
     """Per-token terms of the PPO/GRPO objective, before any aggregation over the mask:
     "loss" = clipped surrogate - entropy_coef * entropy + kl_coef * KL(policy || ref), and the terms
     RL users log (policy_loss, clip_fraction, dual_clip_fraction, approx_kl, ppo_kl, ratio_mean,
-    entropy and kl when given). `policy_loss` aggregates them; the trainer sums them over micro-batches."""
+    entropy and kl when given). `policy_loss` aggregates them; the trainer sums them over micro-batches.
+
+    With `sequence_mask` (GSPO, one sequence per row): every token of a row takes the row's ratio
+    s = exp(mean over its masked tokens of logp - old_logp), clipped as the token ratio is, with the
+    gradient of GSPO-token (s x d logp of that token): log_ratio = logp - sg(logp) + sg(mean)."""
     clip_high = clip_low if clip_high is None else clip_high
     if not (clip_low > 0 and clip_high > 0):
         raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low} and {clip_high}")
@@ -124,7 +129,13 @@ def policy_terms(
         advantages = advantages[..., None] * jnp.ones_like(log_probs)
     _check_shapes(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages)
 
-    log_ratio = jnp.clip(log_probs - old_log_probs, -20.0, 20.0)  # exp stays finite
+    log_ratio = log_probs - old_log_probs
+    if sequence_mask is not None:
+        _check_shapes(log_probs=log_probs, sequence_mask=sequence_mask)
+        m = sequence_mask.astype(jnp.float32)
+        mean = jnp.sum(log_ratio * m, axis=-1, keepdims=True) / jnp.maximum(jnp.sum(m, axis=-1, keepdims=True), 1.0)
+        log_ratio = log_probs - jax.lax.stop_gradient(log_probs) + jax.lax.stop_gradient(mean)  # [B, S]
+    log_ratio = jnp.clip(log_ratio, -20.0, 20.0)  # exp stays finite
     ratio = jnp.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * jnp.clip(ratio, 1.0 - clip_low, 1.0 + clip_high)

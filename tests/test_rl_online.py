@@ -15,6 +15,7 @@ from flax import nnx
 from qwen35_jax.checkpoint import load_checkpoint, save_checkpoint
 from qwen35_jax.config import Qwen35Config
 from qwen35_jax.generation.prompts import PromptEncoder
+from qwen35_jax.loss_aggregation import loss_weights
 from qwen35_jax.model import Qwen35ForCausalLM
 from qwen35_jax.demos.grpo import task_rows
 from qwen35_jax.objectives import train
@@ -51,9 +52,15 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+# the loss options on (sequence-level ratios, per-completion weights, the dual clip): the path they take
+# through the step (a loss_weights field, the sequence mean over sp shards) resumes exactly too
+LOSS_OPTIONS = dict(policy_loss="gspo", loss_agg="seq-mean-token-mean", clip_ratio_c=3.0)
+
+
 @pytest.mark.slow
 def test_grpo_runs_logs_its_metrics_resumes_exactly_and_learns(tmp_path):
-    assert train(_options(tmp_path, "full", steps=6, eval_data=[_files(tmp_path)[0]], eval_every=3)) == 0
+    assert train(_options(tmp_path, "full", steps=6, eval_data=[_files(tmp_path)[0]], eval_every=3,
+                          **LOSS_OPTIONS)) == 0
     rows = [r for r in _metrics(tmp_path / "full") if "loss" in r]
     for key in ("reward_mean", "reward_std", "frac_reward_zero_std", "response_length_mean", "truncated_fraction", "entropy",
                 "clip_fraction", "logprob_mismatch", "rollout_seconds", "update_seconds", "rollout_tokens_per_sec",
@@ -69,7 +76,8 @@ def test_grpo_runs_logs_its_metrics_resumes_exactly_and_learns(tmp_path):
     # the run as if stopped after step 4 (its checkpoint), resumed to 6: the same rewards and losses
     shutil.copytree(tmp_path / "full", tmp_path / "resumed")
     shutil.rmtree(tmp_path / "resumed" / "checkpoints" / "6")
-    assert train(_options(tmp_path, "resumed", steps=6, eval_data=[_files(tmp_path)[0]], eval_every=3)) == 0
+    assert train(_options(tmp_path, "resumed", steps=6, eval_data=[_files(tmp_path)[0]], eval_every=3,
+                          **LOSS_OPTIONS)) == 0
     again = [r for r in _metrics(tmp_path / "resumed") if "loss" in r]
     assert [r["step"] for r in again] == list(range(1, 7))  # steps 5-6 replace the ones after the checkpoint
     for a, b in zip(again[4:], rows[4:], strict=True):
@@ -93,6 +101,11 @@ def test_a_reward_that_raises_stops_the_run_naming_function_and_row(tmp_path):
     ({"group_size": 1}, r"^--group-size 1: --advantage grpo compares the completions of one prompt, .* use "
                         r"--group-size 2 or more$"),
     ({"group_size": 1, "advantage": "drgrpo"}, "^--group-size 1: --advantage drgrpo compares"),
+    ({"clip_ratio_c": 1.0}, r"^--clip-ratio-c must be > 1, got 1.0$"),
+    ({"loss_agg": "seq-mean"}, r"^--loss-agg must be one of token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"),
+    ({"objective": "sft", "loss_agg": "seq-mean-token-mean"}, r"^--loss-agg seq-mean-token-mean applies to "
+                                                               r"--objective grpo only$"),
+    ({"objective": "sft", "policy_loss": "gspo"}, r"^--policy-loss gspo applies to --objective grpo only$"),
 ])
 def test_bad_grpo_options_are_one_line(tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
@@ -142,7 +155,41 @@ def test_the_kl_reference_is_fixed_when_the_run_starts(tmp_path):
     assert f"model: {sft}\n" in (tmp_path / "rl" / "config.yaml").read_text()  # refused before it was rewritten
 
 
+# (StepOptions changes, loss aggregation) of each update form checked against NumPy
+UPDATE_VARIANTS = [
+    (dict(), "token-mean"),
+    (dict(loss_agg="seq-mean-token-mean"), "seq-mean-token-mean"),
+    (dict(loss_agg="seq-mean-token-sum-norm"), "seq-mean-token-sum-norm"),
+    (dict(dual_clip=1.5), "token-mean"),  # low enough that some negative-advantage tokens are capped
+    (dict(sequence_ratio=True, loss_agg="seq-mean-token-mean"), "seq-mean-token-mean"),  # GSPO as verl runs it
+]
+
+
+def _numpy_update(lp, old, a, m, variant: dict, aggregation: str, max_new_tokens: int, clip=(0.2, 0.28)):
+    """NumPy float64 (loss, d loss / d log p(label) [N, S]) of one update form (see UPDATE_VARIANTS)."""
+    if variant.get("sequence_ratio"):  # GSPO: each row's mean log-ratio; a token's ratio gradient is s_i
+        mean = ((lp - old) * m).sum(-1, keepdims=True) / np.maximum(m.sum(-1, keepdims=True), 1)
+        ratio = np.exp(mean) * np.ones_like(lp)
+    else:
+        ratio = np.exp(lp - old)
+    unclipped, clipped = -a * ratio, -a * np.clip(ratio, 1 - clip[0], 1 + clip[1])
+    per_token = np.maximum(unclipped, clipped)
+    d_ratio = np.where(unclipped >= clipped, -a, 0.0)
+    if variant.get("dual_clip"):
+        capped = (a < 0) & (per_token > -a * variant["dual_clip"])
+        assert capped[m > 0].any()  # the dual clip bites somewhere
+        per_token = np.where(capped, -a * variant["dual_clip"], per_token)
+        d_ratio = np.where(capped, 0.0, d_ratio)
+    rows = m.shape[0]
+    weights = {"token-mean": m / m.sum(),
+               "seq-mean-token-mean": m / (np.maximum(m.sum(-1, keepdims=True), 1) * rows),
+               "seq-mean-token-sum-norm": m / (max_new_tokens * rows)}[aggregation]
+    return (per_token * weights).sum(), d_ratio * ratio * weights
+
+
 def test_grpo_update_loss_and_lm_head_gradient_match_numpy_float64():
+    """One update's loss and lm_head gradient against NumPy float64 for every aggregation, the dual
+    clip and GSPO: the loss computed from the model's final hidden states in float64."""
     config = Qwen35Config.preset("tiny", tie_word_embeddings=False)
     model = Qwen35ForCausalLM(config, rngs=nnx.Rngs(4))
     rows = task_rows(3, seed=5)
@@ -160,14 +207,13 @@ def test_grpo_update_loss_and_lm_head_gradient_match_numpy_float64():
                                atol=1e-5)  # what the online step records as logprob_mismatch
     old = old + np.random.default_rng(0).normal(0, 0.3, old.shape).astype(np.float32)  # ratios off 1: clipping
     batch["old_log_probs"] = old
-    step = StepOptions(objective="ppo", temperature=0.9, clip_low=0.2, clip_high=0.28)
+    for row, cut in ((0, 2), (1, 4), (5, 1)):  # completions of several lengths, so the aggregations differ
+        batch["loss_mask"][row, np.flatnonzero(batch["loss_mask"][row])[-cut:]] = 0
     graphdef, params = nnx.split(model)
+
+    # NumPy float64 from the final hidden states: logits = H W / T
     micro = {k: jnp.asarray(v) for k, v in batch.items()}
     mask = loss_mask_of(micro["tokens"], micro["segment_ids"], micro["loss_mask"])
-    n = jnp.sum(mask)
-    (loss, _), grads = jax.value_and_grad(lambda p: _micro_sums(step, graphdef, p, micro, mask, n), has_aux=True)(params)
-
-    # NumPy float64 from the final hidden states: logits = H W / T, the clipped surrogate's token mean
     h = np.asarray(model(micro["tokens"], segment_ids=micro["segment_ids"]), np.float64)  # [N, S, D]
     w = np.asarray(model.lm_head.kernel[...], np.float64)
     z = h @ w / 0.9
@@ -177,14 +223,22 @@ def test_grpo_update_loss_and_lm_head_gradient_match_numpy_float64():
     lp = np.log(np.take_along_axis(p, labels[..., None], -1)[..., 0])
     m = np.asarray(mask, np.float64)
     a = batch["advantages"].astype(np.float64)[:, None]
-    ratio = np.exp(lp - old)
-    unclipped, clipped = -a * ratio, -a * np.clip(ratio, 0.8, 1.28)
-    want_loss = (np.maximum(unclipped, clipped) * m).sum() / m.sum()
-    d_lp = np.where(unclipped >= clipped, -a * ratio, 0.0) * m / m.sum()  # d loss / d log p(label)
     onehot = np.zeros_like(p)
     np.put_along_axis(onehot, labels[..., None], 1.0, -1)
-    d_w = np.einsum("nsd,nsv->dv", h, d_lp[..., None] * (onehot - p) / 0.9)
-    # float32 log-probs and products over 256 vocab x 64 hidden; measured errors near 1e-7 of the scales
-    np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-7)
-    got = np.asarray(grads["lm_head"]["kernel"][...])
-    np.testing.assert_allclose(got, d_w, atol=1e-5 * np.abs(d_w).max())
+    losses = set()
+    for variant, aggregation in UPDATE_VARIANTS:
+        step = StepOptions(objective="ppo", temperature=0.9, clip_low=0.2, clip_high=0.28, **variant)
+        fed = dict(micro)
+        if aggregation != "token-mean":
+            fed["loss_weights"] = jnp.asarray(loss_weights(batch["loss_mask"], aggregation, completions=len(rows) * 4,
+                                                           max_new_tokens=5))
+        (loss, _), grads = jax.value_and_grad(lambda q: _micro_sums(step, graphdef, q, fed, mask, jnp.sum(mask)),
+                                              has_aux=True)(params)
+        want_loss, d_lp = _numpy_update(lp, old, a, m, variant, aggregation, max_new_tokens=5)
+        d_w = np.einsum("nsd,nsv->dv", h, d_lp[..., None] * (onehot - p) / 0.9)
+        # float32 log-probs and products over 256 vocab x 64 hidden; measured errors near 1e-7 of the scales
+        np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-7, err_msg=str(variant))
+        got = np.asarray(grads["lm_head"]["kernel"][...])
+        np.testing.assert_allclose(got, d_w, atol=1e-5 * np.abs(d_w).max(), err_msg=str(variant))
+        losses.add(round(float(loss), 6))
+    assert len(losses) == len(UPDATE_VARIANTS)  # each form is another number on this batch

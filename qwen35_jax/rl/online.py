@@ -38,6 +38,7 @@ from qwen35_jax.generation.prompts import (
     parse_stop_token_ids,
     stop_token_ids,
 )
+from qwen35_jax.loss_aggregation import loss_weights
 from qwen35_jax.parallel.processes import gather_rows
 from qwen35_jax.rl.advantages import zero_std_fraction
 from qwen35_jax.rl.prompt_stream import PromptStream, check_prompt_images, load_prompts_with_images
@@ -140,6 +141,7 @@ class OnlineRun(ObjectiveRun):
     def __init__(self, setup: RunSetup):
         options = setup.options
         per_step = setup.batch_size // options.group_size
+        self.completions = setup.batch_size  # per step, over every process
         if setup.shard_count != jax.process_count() or per_step % setup.shard_count:
             raise ValueError(f"--objective grpo splits each step's {per_step} prompts over the processes, each "
                              f"sampling and training its own rows: put fsdp across processes (this mesh gives "
@@ -193,6 +195,9 @@ class OnlineRun(ObjectiveRun):
                                   images=self.images)
         start = time.perf_counter()
         host = {**rollout.batch, "sampler_log_probs": rollout.sampler_log_probs}
+        if o.loss_agg != "token-mean":  # the aggregation's per-token weights (loss_aggregation.py)
+            host["loss_weights"] = loss_weights(host["loss_mask"], o.loss_agg, completions=self.completions,
+                                                max_new_tokens=o.max_new_tokens)
         if carries_images(host):  # mrope positions and each micro-batch's vision inputs (train/vision.py)
             host = vision_batch(host, self.config, grad_accum=o.grad_accum, max_patches=o.max_patches, step=step)
         placed = place_batch(host, self.mesh, o.grad_accum, self.shard_count)

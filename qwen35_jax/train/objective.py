@@ -121,4 +121,5 @@ def step_options_of(options: TrainOptions, loss: str) -> StepOptions:
         objective=loss, temperature=options.temperature, clip_low=options.clip_ratio,
         clip_high=options.clip_ratio_high, entropy_coef=options.entropy_coef, kl_coef=options.kl_coef,
         kl_estimator=options.kl_estimator, backend=options.logprob_backend, lm_head_mode=options.lm_head,
-        freeze_vision=options.freeze_vision)
+        freeze_vision=options.freeze_vision, dual_clip=options.clip_ratio_c if loss == "ppo" else None,
+        sequence_ratio=options.policy_loss == "gspo", loss_agg=options.loss_agg)

@@ -23,6 +23,7 @@ from qwen35_kernels.choices import ATTENTION_IMPLEMENTATIONS, GDN_PRECISIONS, LO
 from qwen35_jax.config import GDN_SP_MODES, REMAT_POLICIES, RUN_DTYPES, SCAN_LAYERS_FLAGS
 from qwen35_jax.data.packing import LONG_ROW_POLICIES
 from qwen35_jax.data.rows import BAD_ROW_POLICIES
+from qwen35_jax.loss_aggregation import LOSS_AGGREGATIONS
 
 
 # The choices of every option that has a fixed list: the command lines (train.py, logprobs.py,
@@ -34,6 +35,8 @@ from qwen35_jax.data.rows import BAD_ROW_POLICIES
 CHOICES = {
     "objective": ("sft", "ppo", "grpo"),
     "advantage": ("grpo", "drgrpo", "rloo"),
+    "loss_agg": LOSS_AGGREGATIONS,
+    "policy_loss": ("ppo", "gspo"),
     "kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
     "param_dtype": RUN_DTYPES,
     "compute_dtype": RUN_DTYPES,
@@ -74,6 +77,8 @@ class TrainOptions:
     temperature: float = _opt(1.0, "softmax temperature of the log-probs (grpo: also of the sampling)", "objective")
     clip_ratio: float = _opt(0.2, "PPO ratio clip below 1 (and above, unless --clip-ratio-high)", "objective")
     clip_ratio_high: float | None = _opt(None, "PPO ratio clip above 1 (clip-higher)", "objective")
+    clip_ratio_c: float | None = _opt(None, "dual clip: a token with a negative advantage loses at most "
+                                            "-advantage x C (C > 1; verl's default when on: 3.0)", "objective")
     entropy_coef: float = _opt(0.0, "PPO entropy bonus", "objective")
     kl_coef: float = _opt(0.0, "PPO KL penalty to the reference policy (needs ref_log_probs.npy)", "objective")
     kl_estimator: str = _opt("low_var_kl", "per-token KL estimator: k1, k2, k3, low_var_kl (k3 clamped)", "objective")
@@ -85,6 +90,11 @@ class TrainOptions:
     advantage: str = _opt("grpo", "grpo: advantages from each group's rewards: grpo (mean and std), drgrpo "
                                   "(mean only) or rloo (leave-one-out mean)", "rl")
     ppo_epochs: int = _opt(1, "grpo: optimizer updates on each step's rollouts", "rl")
+    loss_agg: str = _opt("token-mean", "grpo: how the policy loss is aggregated: token-mean (every completion "
+                                       "token alike), seq-mean-token-mean (each completion alike) or "
+                                       "seq-mean-token-sum-norm (token sums / --max-new-tokens; Dr. GRPO)", "rl")
+    policy_loss: str = _opt("ppo", "grpo: ppo (per-token ratios) or gspo (each completion's length-normalised "
+                                   "sequence ratio, clipped as a whole)", "rl")
     mask_truncated: bool = _opt(False, "grpo: completions cut by --max-new-tokens add nothing to the loss (their "
                                        "rewards still count in their groups' advantages)", "rl")
     stop_token_ids: str | None = _opt(None, "grpo: comma-separated ids that end a completion (default: the "
@@ -175,6 +185,11 @@ class TrainOptions:
             raise ValueError("--kl-coef applies to --objective ppo and grpo only")
         if self.objective == "grpo" and self.reward is None:
             raise ValueError("--objective grpo needs --reward (FILE.py:FUNCTION or package.module:function)")
+        if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
+            raise ValueError(f"--clip-ratio-c must be > 1, got {self.clip_ratio_c}")
+        for name, default in (("loss_agg", "token-mean"), ("policy_loss", "ppo")):
+            if getattr(self, name) != default and self.objective != "grpo":
+                raise ValueError(f"--{flag(name)} {getattr(self, name)} applies to --objective grpo only")
         if self.advantage == "rloo" and self.group_size < 2:
             raise ValueError("--advantage rloo needs --group-size >= 2")
 

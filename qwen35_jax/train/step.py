@@ -22,6 +22,7 @@ from jax.sharding import PartitionSpec as P
 from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.labels import IGNORE, next_token_labels
+from qwen35_jax.loss_aggregation import LOSS_AGGREGATIONS
 from qwen35_jax.losses import KL_ESTIMATORS, policy_terms
 from qwen35_jax.parallel.mesh import FSDP, SP
 from qwen35_jax.scoring import ScoreOptions, score_tokens
@@ -48,6 +49,9 @@ class StepOptions:
     backend: str = "auto"  # fused log-prob backend
     lm_head_mode: str = "gather"  # gather | vocab_parallel
     freeze_vision: bool = False  # the vision tower's parameters get no gradient (the optimizer masks them too)
+    dual_clip: float | None = None  # PPO: a negative advantage's token loss is capped at -A * dual_clip
+    sequence_ratio: bool = False  # PPO: GSPO's per-row sequence ratio (`losses.policy_terms`)
+    loss_agg: str = "token-mean"  # PPO: other modes weight the tokens by the batch's loss_weights
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -58,6 +62,10 @@ class StepOptions:
             raise ValueError(f"KL estimator must be one of {KL_ESTIMATORS}, got {self.kl_estimator!r}")
         if self.kl_coef < 0 or self.entropy_coef < 0:
             raise ValueError("kl_coef and entropy_coef must be >= 0")
+        if self.loss_agg not in LOSS_AGGREGATIONS:
+            raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {self.loss_agg!r}")
+        if self.objective == "sft" and (self.loss_agg != "token-mean" or self.sequence_ratio or self.dual_clip):
+            raise ValueError("loss_agg, sequence_ratio and dual_clip apply to the ppo objective only")
 
     @property
     def scoring(self) -> ScoreOptions:
@@ -68,7 +76,8 @@ class StepOptions:
         """Batch fields beyond tokens/segment_ids/loss_mask that the objective reads."""
         if self.objective == "sft":
             return ()
-        return PPO_FIELDS + (("ref_log_probs",) if self.kl_coef > 0 else ())
+        return (PPO_FIELDS + (("ref_log_probs",) if self.kl_coef > 0 else ())
+                + (("loss_weights",) if self.loss_agg != "token-mean" else ()))
 
 
 def loss_mask_of(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax.Array | None) -> jax.Array:
@@ -79,20 +88,24 @@ def loss_mask_of(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax.Array
 
 
 def token_terms(options: StepOptions, log_probs: jax.Array, entropy: jax.Array,
-                batch: Batch) -> dict[str, jax.Array]:
-    """Per-token objective terms [B, S] ("loss" and what is logged) of one micro-batch."""
+                batch: Batch, mask: jax.Array) -> dict[str, jax.Array]:
+    """Per-token objective terms [B, S] ("loss" and what is logged) of one micro-batch (`mask` [B, S]:
+    its loss tokens, over which GSPO takes each row's sequence ratio)."""
     if options.objective == "sft":
         return {"loss": -log_probs, "nll": -log_probs, "entropy": entropy}
     return policy_terms(
         log_probs, batch["old_log_probs"], batch["advantages"], clip_low=options.clip_low,
-        clip_high=options.clip_high, entropy=entropy, entropy_coef=options.entropy_coef,
+        clip_high=options.clip_high, dual_clip=options.dual_clip, entropy=entropy, entropy_coef=options.entropy_coef,
         ref_log_probs=batch.get("ref_log_probs") if options.kl_coef > 0 else None,
-        kl_coef=options.kl_coef, kl_estimator=options.kl_estimator)
+        kl_coef=options.kl_coef, kl_estimator=options.kl_estimator,
+        sequence_mask=mask if options.sequence_ratio else None)
 
 
 def _micro_sums(options: StepOptions, graphdef: nnx.GraphDef, params: Params, micro: Batch,
                 mask: jax.Array, denominator: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """(sum of the micro-batch's loss tokens / denominator, every term summed over its mask). A VLM
+    """(the micro-batch's part of the loss, every term summed over its mask): the sum of its loss tokens
+    / denominator under token-mean, else sum(loss x mask x loss_weights), the weights holding the
+    aggregation's normalisation (`loss_aggregation.loss_weights`; its "loss" sum is that weighted sum). A VLM
     micro-batch also holds "positions" [3, b, S] and, when it has images, "vision" (`train/vision.py`)."""
     if options.freeze_vision and "visual" in params:
         params = {**params, "visual": jax.lax.stop_gradient(params["visual"])}
@@ -101,9 +114,12 @@ def _micro_sums(options: StepOptions, graphdef: nnx.GraphDef, params: Params, mi
         model, micro["tokens"], micro["segment_ids"], temperature=options.temperature,
         backend=options.backend, lm_head_mode=options.lm_head_mode, positions=micro.get("positions"),
         vision=micro.get("vision"))
-    terms = token_terms(options, log_probs, entropy, micro)
+    terms = token_terms(options, log_probs, entropy, micro, mask)
     sums = {name: jnp.sum(x * mask) for name, x in terms.items()}
-    return sums["loss"] / denominator, jax.lax.stop_gradient(sums)
+    if options.loss_agg == "token-mean":
+        return sums["loss"] / denominator, jax.lax.stop_gradient(sums)
+    weighted = jnp.sum(terms["loss"] * mask * micro["loss_weights"])
+    return weighted, jax.lax.stop_gradient({**sums, "loss": weighted})
 
 
 def _masks(batch: Batch) -> jax.Array:  # [K, b, S] float32
@@ -122,9 +138,11 @@ def _sum_over_micro_batches(fn: Callable[[Batch, jax.Array], Any], batch: Batch,
     return jax.lax.scan(lambda acc, xs: (jax.tree.map(jnp.add, acc, fn(*xs)), None), first, rest)[0]
 
 
-def _normalise(sums: dict[str, jax.Array], tokens: jax.Array) -> dict[str, jax.Array]:
+def _normalise(sums: dict[str, jax.Array], tokens: jax.Array, options: StepOptions) -> dict[str, jax.Array]:
+    """Token means of the summed terms; a weighted loss (not token-mean) is already normalised."""
     denominator = jnp.maximum(tokens, 1.0)
-    return {**{name: s / denominator for name, s in sums.items()}, "tokens": tokens}
+    keep = () if options.loss_agg == "token-mean" else ("loss",)
+    return {**{name: s if name in keep else s / denominator for name, s in sums.items()}, "tokens": tokens}
 
 
 UPDATE_FORMS = ("cond", "select")
@@ -180,7 +198,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, op
             return jax.lax.with_sharding_constraint(grads, shardings[0]), sums
 
         grads, sums = _sum_over_micro_batches(micro_grads, batch, masks)
-        metrics = _normalise(sums, tokens)
+        metrics = _normalise(sums, tokens, options)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         def update(params: Params, opt_state: Any) -> tuple[Params, Any]:
