@@ -9,6 +9,8 @@ that knows them.
     RUN/loss.png             the loss curves, at the end;  RUN/reward.png: the reward of an online RL run
     RUN/synthetic/           the generated rows of a --synthetic run, so that a resume sees the same rows
     RUN/kl_reference.json    the checkpoint an online RL run's KL penalty compares against (rl/reference.py)
+    RUN/preprocessor_config.json  a VLM run's image processor, --min/--max-pixels applied (train/loop.py):
+                             a run or generate.py started from RUN sizes images as this run did
 
 Other modules take the names from here (the checkpoint loader finds a run's newest checkpoint, the
 generation tool reads a run's config.yaml for its tokenizer and model). Loads nothing but `os`.

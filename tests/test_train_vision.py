@@ -184,6 +184,23 @@ def test_sft_loss_is_the_models_own_log_probs_with_the_same_vision_inputs(mesh_r
     assert abs(nll(None) - want) > 10 * 1e-5 * abs(want)
 
 
+def test_a_run_started_from_the_run_sizes_images_as_it_did(mesh_run):
+    """RUN/preprocessor_config.json holds the run's processor (its --min/--max-pixels, not Qwen3.5's
+    defaults), so a run or generate.py started from RUN without those options processes images alike."""
+    import dataclasses
+
+    from qwen35_jax.data.images import QWEN35_MIN_PIXELS
+    from qwen35_jax.train.sources import run_image_processor
+
+    out, options = mesh_run
+    config = load_checkpoint(str(out))[1]
+    assert options.min_pixels != QWEN35_MIN_PIXELS
+    ran = run_image_processor(options, config)
+    after = run_image_processor(dataclasses.replace(options, model=str(out), min_pixels=None, max_pixels=None), config)
+    assert after.settings == ran.settings and after.min_pixels == MIN_PIXELS
+    assert (out / "preprocessor_config.json").is_file()
+
+
 def test_resume_replays_the_rows_and_images_of_the_uninterrupted_run(vlm_dir, chats, mesh_run, tmp_path):
     """Resumed at step 2 with 2 micro-batches a step (a change a resume allows): the same rows and images
     come back, each micro-batch with its own vision inputs, and the losses follow the uninterrupted run

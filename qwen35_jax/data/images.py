@@ -199,6 +199,15 @@ class ImageProcessor:
                 raise ValueError(f"{source}: {mine} {self.settings[mine]} does not match the vision tower's "
                                  f"{theirs} {getattr(config, theirs)}")
 
+    def save(self, directory: str) -> str:
+        """DIRECTORY/preprocessor_config.json with these settings, as transformers writes it (so that
+        `from_pretrained` and transformers' `AutoImageProcessor` read it back), replaced atomically."""
+        from qwen35_jax.files import write_text_atomically
+
+        path = os.path.join(directory, PREPROCESSOR_CONFIG)
+        write_text_atomically(path, self.hf_processor().to_json_string())
+        return path
+
     def to_json(self) -> str:
         """The settings, for a manifest."""
         return json.dumps({k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(self.settings.items())},

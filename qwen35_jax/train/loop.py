@@ -41,7 +41,7 @@ from qwen35_jax.train.options import TrainOptions, flag
 from qwen35_jax.train.remat_choice import make_config_train_step
 from qwen35_jax.train.run import open_run_dir, write_config
 from qwen35_jax.train.signals import StopRequest
-from qwen35_jax.train.sources import check_model_inputs, data_has_images
+from qwen35_jax.train.sources import check_model_inputs, data_has_images, run_image_processor
 from qwen35_jax.train.step import StepOptions
 
 EXIT_BAD_STEPS = 3
@@ -182,6 +182,8 @@ def prepare(options: TrainOptions, objective: Objective | None = None) -> Run:
 
     if is_lead_process():
         write_config(options.out, options)
+        if config.vision is not None:
+            run_image_processor(options, config).save(options.out)
     sync_processes("qwen35_run_dir_ready")
     if checkpoints is None:
         checkpoints = RunCheckpoints(options.out, keep=options.keep)
