@@ -137,7 +137,8 @@ def check_images(images: dict[int, list[str]], prompts: str, model_path: str) ->
 def image_processor(model_path: str, tokenizer_dir: str | None, vision: Any, min_pixels: int | None,
                     max_pixels: int | None) -> tuple[Any, str]:
     """(the `ImageProcessor` for `vision`, where its settings came from): the preprocessor_config.json of
-    the checkpoint, its tokenizer directory or its run's --model, else Qwen3.5's settings for the tower."""
+    the checkpoint, its tokenizer directory, its run (RUN/preprocessor_config.json) or its run's --model,
+    else Qwen3.5's settings for the tower."""
     from qwen35_jax.data.batches import image_processor_for
     from qwen35_jax.data.images import PREPROCESSOR_CONFIG, preprocessor_dir
     from qwen35_jax.generation.prompts import run_dir_of, run_options
@@ -145,7 +146,7 @@ def image_processor(model_path: str, tokenizer_dir: str | None, vision: Any, min
     candidates = [model_path, tokenizer_dir]
     run = run_dir_of(model_path)
     if run is not None:
-        candidates.append(run_options(run).get("model"))
+        candidates += [run, run_options(run).get("model")]
     directory = preprocessor_dir(candidates)
     processor = image_processor_for(vision, directory, min_pixels=min_pixels, max_pixels=max_pixels)
     return processor, "Qwen3.5 defaults" if directory is None else os.path.join(directory, PREPROCESSOR_CONFIG)
