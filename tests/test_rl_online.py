@@ -162,11 +162,14 @@ UPDATE_VARIANTS = [
     (dict(loss_agg="seq-mean-token-sum-norm"), "seq-mean-token-sum-norm"),
     (dict(dual_clip=1.5), "token-mean"),  # low enough that some negative-advantage tokens are capped
     (dict(sequence_ratio=True, loss_agg="seq-mean-token-mean"), "seq-mean-token-mean"),  # GSPO as verl runs it
+    (dict(on_policy=True), "token-mean"),  # one update per rollout: old = the step's own log-probs, ratio 1
 ]
 
 
 def _numpy_update(lp, old, a, m, variant: dict, aggregation: str, max_new_tokens: int, clip=(0.2, 0.28)):
     """NumPy float64 (loss, d loss / d log p(label) [N, S]) of one update form (see UPDATE_VARIANTS)."""
+    if variant.get("on_policy"):
+        old = lp
     if variant.get("sequence_ratio"):  # GSPO: each row's mean log-ratio; a token's ratio gradient is s_i
         mean = ((lp - old) * m).sum(-1, keepdims=True) / np.maximum(m.sum(-1, keepdims=True), 1)
         ratio = np.exp(mean) * np.ones_like(lp)
@@ -228,7 +231,7 @@ def test_grpo_update_loss_and_lm_head_gradient_match_numpy_float64():
     losses = set()
     for variant, aggregation in UPDATE_VARIANTS:
         step = StepOptions(objective="ppo", temperature=0.9, clip_low=0.2, clip_high=0.28, **variant)
-        fed = dict(micro)
+        fed = {k: v for k, v in micro.items() if not (variant.get("on_policy") and k == "old_log_probs")}
         if aggregation != "token-mean":
             fed["loss_weights"] = jnp.asarray(loss_weights(batch["loss_mask"], aggregation, completions=len(rows) * 4,
                                                            max_new_tokens=5))

@@ -72,7 +72,8 @@ def _options(vlm_dir, out, prompts, reward, **changes):
                 data=[prompts], reward=reward, group_size=2, batch_size=8, max_new_tokens=4,
                 temperature=1.0, lr=1e-2, final_lr_ratio=1.0, steps=3, save_every=2, out=str(out), mesh="fsdp=2,sp=4",
                 progress=False, seed=3, remat="none", kl_coef=0.05, min_pixels=MIN_PIXELS, max_pixels=MAX_PIXELS,
-                max_patches=256)  # one patch bucket: one program for every step
+                max_patches=256,  # one patch bucket: one program for every step
+                ppo_epochs=2)  # two updates a step: the old log-probs (with the images) are scored before them
     return TrainOptions(**{**base, **changes})
 
 

@@ -90,7 +90,8 @@ class OnlineGRPO(Objective):
         return options.ppo_epochs
 
     def step_options(self, options: TrainOptions) -> StepOptions:
-        return step_options_of(options, "ppo")
+        # one update per rollout: the step's own log-probs are the old ones, with no forward beforehand
+        return step_options_of(options, "ppo", on_policy=options.ppo_epochs == 1)
 
     def open(self, setup: RunSetup) -> ObjectiveRun:
         return OnlineRun(setup)
@@ -201,9 +202,12 @@ class OnlineRun(ObjectiveRun):
         if carries_images(host):  # mrope positions and each micro-batch's vision inputs (train/vision.py)
             host = vision_batch(host, self.config, grad_accum=o.grad_accum, max_patches=o.max_patches, step=step)
         placed = place_batch(host, self.mesh, o.grad_accum, self.shard_count)
-        sampler = placed.pop("sampler_log_probs")
-        placed["old_log_probs"] = self._log_probs(state.params, placed)
-        mismatch = float(_mismatch(sampler, placed["old_log_probs"], placed["loss_mask"]))
+        if not self.step_options.on_policy:  # several updates: the old log-probs are fixed before the first
+            sampler = placed.pop("sampler_log_probs")
+            placed["old_log_probs"] = self._log_probs(state.params, placed)
+            mismatch = {"logprob_mismatch": float(_mismatch(sampler, placed["old_log_probs"], placed["loss_mask"]))}
+        else:  # the step's own forward gives the old log-probs and their mismatch with the sampler's
+            mismatch = {}
         if self.ref_params is not None:
             placed["ref_log_probs"] = self._log_probs(self.ref_params, placed)
         applied = 0
@@ -214,11 +218,11 @@ class OnlineRun(ObjectiveRun):
         update_seconds = time.perf_counter() - start
         rewards, lengths, truncated = (gather_rows(x) for x in (rollout.rewards, rollout.completion_lengths,
                                                                  rollout.truncated))
-        metrics = {**metrics, "applied": float(applied == o.ppo_epochs), "updates_applied": applied,
+        metrics = {**metrics, **mismatch, "applied": float(applied == o.ppo_epochs), "updates_applied": applied,
                    "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
                    "frac_reward_zero_std": zero_std_fraction(rewards.reshape(-1, o.group_size)),
                    "response_length_mean": float(lengths.mean()), "truncated_fraction": float(truncated.mean()),
-                   "logprob_mismatch": mismatch, "rollout_seconds": rollout.seconds,
+                   "rollout_seconds": rollout.seconds,
                    "update_seconds": update_seconds,
                    "rollout_tokens_per_sec": float(lengths.sum()) / max(rollout.seconds, 1e-9),
                    "update_tokens_per_sec": o.ppo_epochs * float(metrics["batch_tokens"]) / max(update_seconds, 1e-9)}

@@ -114,12 +114,14 @@ class Objective(abc.ABC):
         """Its side of the run: batch source, step, evaluation."""
 
 
-def step_options_of(options: TrainOptions, loss: str) -> StepOptions:
-    """The StepOptions of `options` with the step's loss `loss` (sft or ppo): the only place the
-    scoring settings (temperature, log-prob backend, lm_head mode) are read from the options."""
+def step_options_of(options: TrainOptions, loss: str, *, on_policy: bool = False) -> StepOptions:
+    """The StepOptions of `options` with the step's loss `loss` (sft or ppo; `on_policy`: its old
+    log-probs are its own, see StepOptions): the only place the scoring settings (temperature,
+    log-prob backend, lm_head mode) are read from the options."""
     return StepOptions(
         objective=loss, temperature=options.temperature, clip_low=options.clip_ratio,
         clip_high=options.clip_ratio_high, entropy_coef=options.entropy_coef, kl_coef=options.kl_coef,
         kl_estimator=options.kl_estimator, backend=options.logprob_backend, lm_head_mode=options.lm_head,
         freeze_vision=options.freeze_vision, dual_clip=options.clip_ratio_c if loss == "ppo" else None,
-        sequence_ratio=options.policy_loss == "gspo", loss_agg=options.loss_agg)
+        sequence_ratio=options.policy_loss == "gspo", loss_agg=options.loss_agg,
+        on_policy=on_policy)

@@ -52,6 +52,9 @@ class StepOptions:
     dual_clip: float | None = None  # PPO: a negative advantage's token loss is capped at -A * dual_clip
     sequence_ratio: bool = False  # PPO: GSPO's per-row sequence ratio (`losses.policy_terms`)
     loss_agg: str = "token-mean"  # PPO: other modes weight the tokens by the batch's loss_weights
+    # PPO with one update per rollout: the old log-probs are the step's own, detached (the ratio is 1
+    # exactly), so the batch needs none and no forward pass computes them beforehand
+    on_policy: bool = False
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -64,8 +67,9 @@ class StepOptions:
             raise ValueError("kl_coef and entropy_coef must be >= 0")
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {self.loss_agg!r}")
-        if self.objective == "sft" and (self.loss_agg != "token-mean" or self.sequence_ratio or self.dual_clip):
-            raise ValueError("loss_agg, sequence_ratio and dual_clip apply to the ppo objective only")
+        if self.objective == "sft" and (self.loss_agg != "token-mean" or self.sequence_ratio or self.dual_clip
+                                        or self.on_policy):
+            raise ValueError("loss_agg, sequence_ratio, dual_clip and on_policy apply to the ppo objective only")
 
     @property
     def scoring(self) -> ScoreOptions:
@@ -76,7 +80,8 @@ class StepOptions:
         """Batch fields beyond tokens/segment_ids/loss_mask that the objective reads."""
         if self.objective == "sft":
             return ()
-        return (PPO_FIELDS + (("ref_log_probs",) if self.kl_coef > 0 else ())
+        fields = tuple(f for f in PPO_FIELDS if not (self.on_policy and f == "old_log_probs"))
+        return (fields + (("ref_log_probs",) if self.kl_coef > 0 else ())
                 + (("loss_weights",) if self.loss_agg != "token-mean" else ()))
 
 
@@ -90,15 +95,20 @@ def loss_mask_of(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax.Array
 def token_terms(options: StepOptions, log_probs: jax.Array, entropy: jax.Array,
                 batch: Batch, mask: jax.Array) -> dict[str, jax.Array]:
     """Per-token objective terms [B, S] ("loss" and what is logged) of one micro-batch (`mask` [B, S]:
-    its loss tokens, over which GSPO takes each row's sequence ratio)."""
+    its loss tokens, over which GSPO takes each row's sequence ratio). A batch with the sampler's
+    log-probs ("sampler_log_probs") also logs logprob_mismatch, |sampler - these log-probs|."""
     if options.objective == "sft":
         return {"loss": -log_probs, "nll": -log_probs, "entropy": entropy}
-    return policy_terms(
-        log_probs, batch["old_log_probs"], batch["advantages"], clip_low=options.clip_low,
+    old = jax.lax.stop_gradient(log_probs) if options.on_policy else batch["old_log_probs"]
+    terms = policy_terms(
+        log_probs, old, batch["advantages"], clip_low=options.clip_low,
         clip_high=options.clip_high, dual_clip=options.dual_clip, entropy=entropy, entropy_coef=options.entropy_coef,
         ref_log_probs=batch.get("ref_log_probs") if options.kl_coef > 0 else None,
         kl_coef=options.kl_coef, kl_estimator=options.kl_estimator,
         sequence_mask=mask if options.sequence_ratio else None)
+    if "sampler_log_probs" in batch:
+        terms["logprob_mismatch"] = jnp.abs(jax.lax.stop_gradient(log_probs) - batch["sampler_log_probs"])
+    return terms
 
 
 def _micro_sums(options: StepOptions, graphdef: nnx.GraphDef, params: Params, micro: Batch,
