@@ -18,6 +18,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
@@ -31,15 +32,30 @@ from qwen35_jax.run_layout import CHECKPOINTS_DIR, is_run_dir
 FORMAT = "qwen35_jax"
 VERSION = 1
 HOST_GB_IN_FLIGHT = 1  # orbax copies arrays through host memory; cap what it holds at once (GB)
+# Orbax splits the writing of a replicated array among its replicas by slicing each replica's part on
+# the device: one compiled slice program per shape and sharding. A ZeRO-3 state's replicated arrays
+# are its small vectors (norm weights, biases), so on a CPU or TPU mesh (where orbax does this by
+# default) a save compiled dozens of slices for parts of a few kB. Only arrays with at least this many
+# bytes per replica part are written that way.
+REPLICA_PARALLEL_MIN_BYTES = 16 << 20
+
+
+def tree_handler(**kwargs: Any) -> ocp.PyTreeCheckpointHandler:
+    """Orbax's PyTree handler as our checkpoints use it: uncompressed (compressing random-looking
+    weights gains nothing, and the compressor's buffers held a second copy of the model in host
+    memory), replica-parallel writes for large replicated arrays only; `kwargs` go to the handler."""
+    th = ocp.type_handlers
+    registry = th.create_type_handler_registry(
+        (int, th.ScalarHandler()), (float, th.ScalarHandler()), (np.number, th.ScalarHandler()),
+        (np.ndarray, th.NumpyHandler()), (str, th.StringHandler()),
+        (jax.Array, th.ArrayHandler(min_slice_bytes_for_replica_parallel=REPLICA_PARALLEL_MIN_BYTES)))
+    return ocp.PyTreeCheckpointHandler(use_compression=False, type_handler_registry=registry, **kwargs)
 
 
 def _checkpointer(arrays: Any = None) -> ocp.Checkpointer:
     """Orbax holding at most ~HOST_GB_IN_FLIGHT of array shards on the host at once (orbax refuses a
-    single shard larger than its cap, so the cap grows to the largest shard of `arrays`).
-
-    Uncompressed: compressing (random-looking) weights gains nothing, and the compressor's buffers
-    held a second copy of the whole model in host memory while saving (docs/results.md, "Checkpoint import").
-    """
+    single shard larger than its cap, so the cap grows to the largest shard of `arrays`); the
+    parameters through `tree_handler` (docs/results.md, "Checkpoint import", for the compression)."""
     def shard_bytes(a: Any) -> int:
         sharding = getattr(a, "sharding", None)
         shape = sharding.shard_shape(a.shape) if sharding is not None else a.shape
@@ -48,7 +64,7 @@ def _checkpointer(arrays: Any = None) -> ocp.Checkpointer:
     largest = max((shard_bytes(a) for a in jax.tree.leaves(arrays)), default=0)
     gb = max(HOST_GB_IN_FLIGHT, math.ceil(largest / 1e9))
     return ocp.Checkpointer(ocp.CompositeCheckpointHandler(
-        params=ocp.PyTreeCheckpointHandler(save_concurrent_gb=gb, restore_concurrent_gb=gb, use_compression=False),
+        params=tree_handler(save_concurrent_gb=gb, restore_concurrent_gb=gb),
         meta=ocp.JsonCheckpointHandler()))
 
 

@@ -21,13 +21,12 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from qwen35_jax.checkpoint import FORMAT, VERSION
+from qwen35_jax.checkpoint import FORMAT, VERSION, tree_handler
 from qwen35_jax.run_layout import CHECKPOINTS_DIR, DAMAGED_DIR
 
 
 def _handlers() -> dict[str, ocp.CheckpointHandler]:
-    tree = lambda: ocp.PyTreeCheckpointHandler(use_compression=False)  # noqa: E731 (weights do not compress)
-    return {"params": tree(), "opt_state": tree(), "meta": ocp.JsonCheckpointHandler()}
+    return {"params": tree_handler(), "opt_state": tree_handler(), "meta": ocp.JsonCheckpointHandler()}
 
 
 def _with_restore_shardings(abstract: Any) -> Any:
