@@ -24,6 +24,9 @@ from __future__ import annotations
 import numpy as np
 
 LOSS_AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# Rollout importance sampling (`losses.rollout_is_weights`): the policy loss weighted per token or per
+# completion by the trainer's / the sampler's probability of the sampled tokens, truncated.
+ROLLOUT_IS_LEVELS = ("token", "sequence")
 
 
 def loss_weights(loss_mask: np.ndarray, aggregation: str, *, completions: int,

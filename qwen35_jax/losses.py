@@ -109,6 +109,7 @@ def policy_terms(
     kl_coef: float = 0.0,
     kl_estimator: str = "low_var_kl",
     sequence_mask: jax.Array | None = None,  # [B, S] 0/1: GSPO's sequence ratios over these tokens
+    is_weights: jax.Array | None = None,  # [B, S] rollout importance weights (`rollout_is_weights`)
 ) -> dict[str, jax.Array]:  # every value [B, S]
     """Per-token terms of the PPO/GRPO objective, before any aggregation over the mask:
     "loss" = clipped surrogate - entropy_coef * entropy + kl_coef * KL(policy || ref), and the terms
@@ -117,7 +118,8 @@ def policy_terms(
 
     With `sequence_mask` (GSPO, one sequence per row): every token of a row takes the row's ratio
     s = exp(mean over its masked tokens of logp - old_logp), clipped as the token ratio is, with the
-    gradient of GSPO-token (s x d logp of that token): log_ratio = logp - sg(logp) + sg(mean)."""
+    gradient of GSPO-token (s x d logp of that token): log_ratio = logp - sg(logp) + sg(mean).
+    With `is_weights` the clipped surrogate of each token is multiplied by its weight (no gradient)."""
     clip_high = clip_low if clip_high is None else clip_high
     if not (clip_low > 0 and clip_high > 0):
         raise ValueError(f"clip_low and clip_high must be > 0, got {clip_low} and {clip_high}")
@@ -145,6 +147,9 @@ def policy_terms(
         cap = -advantages * dual_clip
         dual_clipped = (advantages < 0) & (per_token > cap)
         per_token = jnp.where(advantages < 0, jnp.minimum(per_token, cap), per_token)
+    if is_weights is not None:
+        _check_shapes(log_probs=log_probs, is_weights=is_weights)
+        per_token = per_token * jax.lax.stop_gradient(is_weights)
     terms = {
         "policy_loss": per_token,
         "clip_fraction": (clipped > unclipped).astype(jnp.float32),
@@ -166,6 +171,30 @@ def policy_terms(
         raise ValueError("kl_coef > 0 needs ref_log_probs")
     terms["loss"] = loss
     return terms
+
+
+def rollout_is_weights(
+    old_log_probs: jax.Array,  # [B, S] the trainer's log p(label) before the update
+    sampler_log_probs: jax.Array,  # [B, S] the rollout's log p(label), as sampled
+    mask: jax.Array,  # [B, S] 0/1: the completion tokens, one completion per row
+    *,
+    level: str,
+    threshold: float,
+) -> tuple[jax.Array, jax.Array]:  # (weights [B, S], truncated [B, S] bool), no gradient
+    """Truncated importance weights of the trainer's policy against the sampler's (verl's rollout_is,
+    TRL's vllm_importance_sampling_correction): "token": min(exp(old - sampler), threshold) per token;
+    "sequence": min(exp(sum over the row's tokens of old - sampler), threshold) on every token of the
+    row. `truncated` marks the weights that hit the threshold. 0 where the mask is 0."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"rollout importance sampling level must be token or sequence, got {level!r}")
+    if not threshold > 0:
+        raise ValueError(f"rollout importance sampling threshold must be > 0, got {threshold}")
+    m = mask.astype(jnp.float32)
+    log_w = (old_log_probs - sampler_log_probs) * m
+    if level == "sequence":
+        log_w = jnp.sum(log_w, axis=-1, keepdims=True) * jnp.ones_like(log_w)
+    raw = jnp.exp(jnp.minimum(log_w, 30.0))  # finite; anything past e^30 is truncated anyway
+    return jax.lax.stop_gradient(jnp.minimum(raw, threshold) * m), jax.lax.stop_gradient((raw > threshold) & (m > 0))
 
 
 def policy_loss(

@@ -63,9 +63,9 @@ def mesh_4x2():
     return _mesh(4, 2)
 
 
-# pytest-xdist's loadscope hands whole modules to the workers in collection order. The longest go
-# first, so that the many short modules fill the end: a three-minute module handed out last would
-# leave the other worker idle for most of that time. Ordered by their measured seconds on a 2-vCPU
+# pytest-xdist's loadscope hands whole modules to the workers in collection order (with
+# --no-loadscope-reorder, pyproject.toml). The longest go first, so that the many short modules fill
+# the end: a two-minute module handed out last leaves the other worker idle for most of that time. Ordered by their measured seconds on a 2-vCPU
 # machine (`pytest --durations`); modules not named keep their order after these.
 LONGEST_FIRST = (
     "test_demo_vision", "test_long_context", "test_train_run", "test_parallel_model", "test_demo", "test_train",

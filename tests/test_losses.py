@@ -156,3 +156,30 @@ def test_policy_loss_adds_the_kl_penalty_and_needs_ref_log_probs():
     np.testing.assert_allclose(with_kl - base, 0.5 * np.log(2) / 2, rtol=1e-6)
     with pytest.raises(ValueError, match="kl_coef > 0 needs ref_log_probs"):
         losses.policy_loss(lp, lp, jnp.array([1.0]), mask, kl_coef=0.1)
+
+
+def test_rollout_is_weights_against_numpy():
+    """Truncated importance weights of the trainer against the sampler, per token and per sequence (the
+    product of a row's token ratios), 0 off the mask; `truncated` marks those cut to the threshold."""
+    from qwen35_jax.losses import rollout_is_weights
+
+    rng = np.random.default_rng(3)
+    old, sampler = rng.normal(-2, 1, (3, 6)), rng.normal(-2, 1, (3, 6))
+    mask = np.ones((3, 6))
+    mask[0, 4:] = 0
+    mask[2, :] = 0  # a row without completion tokens
+    old[0, 1] = sampler[0, 1] + 1.0  # a token whose own ratio (e) is truncated
+    old[1] = sampler[1] + 0.3  # tokens under the threshold (1.35), a sequence over it (e^1.8)
+    old[0, [0, 2, 3]] = sampler[0, [0, 2, 3]] - 1.0  # row 0's sequence ratio e^-2 stays under it
+    for level in ("token", "sequence"):
+        got, truncated = rollout_is_weights(jnp.asarray(old, jnp.float32), jnp.asarray(sampler, jnp.float32),
+                                            jnp.asarray(mask), level=level, threshold=2.0)
+        log_w = (old - sampler) * mask
+        if level == "sequence":
+            log_w = np.repeat(log_w.sum(-1, keepdims=True), 6, axis=1)
+        want = np.minimum(np.exp(log_w), 2.0) * mask
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)  # float32 exp of a float64 sum
+        np.testing.assert_array_equal(np.asarray(truncated), (np.exp(log_w) > 2.0) & (mask > 0))
+        assert np.asarray(truncated).any() and not np.asarray(truncated).all()
+    with pytest.raises(ValueError, match="token or sequence"):
+        rollout_is_weights(jnp.zeros((1, 2)), jnp.zeros((1, 2)), jnp.ones((1, 2)), level="seq", threshold=2.0)

@@ -52,9 +52,10 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-# the loss options on (sequence-level ratios, per-completion weights, the dual clip): the path they take
-# through the step (a loss_weights field, the sequence mean over sp shards) resumes exactly too
-LOSS_OPTIONS = dict(policy_loss="gspo", loss_agg="seq-mean-token-mean", clip_ratio_c=3.0)
+# the loss options on (sequence-level ratios, per-completion weights, the dual clip, rollout IS): the
+# path they take through the step (a loss_weights field, the sequence mean over sp shards) resumes
+# exactly too
+LOSS_OPTIONS = dict(policy_loss="gspo", loss_agg="seq-mean-token-mean", clip_ratio_c=3.0, rollout_is="token")
 
 
 @pytest.mark.slow
@@ -68,7 +69,9 @@ def test_grpo_runs_logs_its_metrics_resumes_exactly_and_learns(tmp_path):
         assert all(r[key] is not None for r in rows), key
     assert [r["step"] for r in rows] == list(range(1, 7))
     # the sampler (decode step, float32) and the trainer's fused kernel see the same policy: rounding only
-    assert max(r["logprob_mismatch"] for r in rows) < 1e-4
+    assert max(r["logprob_mismatch"] for r in rows) < 1e-4 and max(r["logprob_mismatch_max"] for r in rows) < 1e-3
+    # float32 sampler and trainer agree, so the rollout IS weights are 1 and none is truncated
+    assert all(abs(r["rollout_is_weight"] - 1) < 1e-4 and r["rollout_is_truncated"] == 0 for r in rows)
     # a reward a random tiny model can raise in a few steps: the share of ids below 64 (of 256) it samples
     assert np.mean([r["reward_mean"] for r in rows[-2:]]) > np.mean([r["reward_mean"] for r in rows[:2]]) + 0.2
     assert (tmp_path / "full" / "reward.png").is_file()
@@ -106,6 +109,8 @@ def test_a_reward_that_raises_stops_the_run_naming_function_and_row(tmp_path):
     ({"objective": "sft", "loss_agg": "seq-mean-token-mean"}, r"^--loss-agg seq-mean-token-mean applies to "
                                                                r"--objective grpo only$"),
     ({"objective": "sft", "policy_loss": "gspo"}, r"^--policy-loss gspo applies to --objective grpo only$"),
+    ({"objective": "sft", "rollout_is": "token"}, r"^--rollout-is token applies to --objective grpo only$"),
+    ({"rollout_is_threshold": 0.0}, r"^--rollout-is-threshold must be > 0, got 0.0$"),
 ])
 def test_bad_grpo_options_are_one_line(tmp_path, changes, message):
     with pytest.raises(ValueError, match=message):
@@ -163,10 +168,13 @@ UPDATE_VARIANTS = [
     (dict(dual_clip=1.5), "token-mean"),  # low enough that some negative-advantage tokens are capped
     (dict(sequence_ratio=True, loss_agg="seq-mean-token-mean"), "seq-mean-token-mean"),  # GSPO as verl runs it
     (dict(on_policy=True), "token-mean"),  # one update per rollout: old = the step's own log-probs, ratio 1
+    (dict(rollout_is="token", rollout_is_threshold=1.5), "token-mean"),  # truncated trainer/sampler weights
+    (dict(rollout_is="sequence", rollout_is_threshold=1.5), "token-mean"),
 ]
 
 
-def _numpy_update(lp, old, a, m, variant: dict, aggregation: str, max_new_tokens: int, clip=(0.2, 0.28)):
+def _numpy_update(lp, old, a, m, variant: dict, aggregation: str, max_new_tokens: int, sampler=None,
+                  clip=(0.2, 0.28)):
     """NumPy float64 (loss, d loss / d log p(label) [N, S]) of one update form (see UPDATE_VARIANTS)."""
     if variant.get("on_policy"):
         old = lp
@@ -183,6 +191,13 @@ def _numpy_update(lp, old, a, m, variant: dict, aggregation: str, max_new_tokens
         assert capped[m > 0].any()  # the dual clip bites somewhere
         per_token = np.where(capped, -a * variant["dual_clip"], per_token)
         d_ratio = np.where(capped, 0.0, d_ratio)
+    if variant.get("rollout_is"):  # weights of the trainer's old log-probs against the sampler's, truncated
+        log_w = (old - sampler) * m
+        if variant["rollout_is"] == "sequence":
+            log_w = np.repeat(log_w.sum(-1, keepdims=True), m.shape[1], axis=1)
+        is_w = np.minimum(np.exp(log_w), variant["rollout_is_threshold"])
+        assert ((np.exp(log_w) > variant["rollout_is_threshold"]) & (m > 0)).any()  # truncation bites
+        per_token, d_ratio = per_token * is_w, d_ratio * is_w
     rows = m.shape[0]
     weights = {"token-mean": m / m.sum(),
                "seq-mean-token-mean": m / (np.maximum(m.sum(-1, keepdims=True), 1) * rows),
@@ -232,12 +247,15 @@ def test_grpo_update_loss_and_lm_head_gradient_match_numpy_float64():
     for variant, aggregation in UPDATE_VARIANTS:
         step = StepOptions(objective="ppo", temperature=0.9, clip_low=0.2, clip_high=0.28, **variant)
         fed = {k: v for k, v in micro.items() if not (variant.get("on_policy") and k == "old_log_probs")}
+        if variant.get("rollout_is"):
+            fed["sampler_log_probs"] = jnp.asarray(rollout.sampler_log_probs)
         if aggregation != "token-mean":
             fed["loss_weights"] = jnp.asarray(loss_weights(batch["loss_mask"], aggregation, completions=len(rows) * 4,
                                                            max_new_tokens=5))
         (loss, _), grads = jax.value_and_grad(lambda q: _micro_sums(step, graphdef, q, fed, mask, jnp.sum(mask)),
                                               has_aux=True)(params)
-        want_loss, d_lp = _numpy_update(lp, old, a, m, variant, aggregation, max_new_tokens=5)
+        want_loss, d_lp = _numpy_update(lp, old, a, m, variant, aggregation, max_new_tokens=5,
+                                        sampler=rollout.sampler_log_probs.astype(np.float64))
         d_w = np.einsum("nsd,nsv->dv", h, d_lp[..., None] * (onehot - p) / 0.9)
         # float32 log-probs and products over 256 vocab x 64 hidden; measured errors near 1e-7 of the scales
         np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5, atol=1e-7, err_msg=str(variant))

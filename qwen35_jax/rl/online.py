@@ -129,9 +129,12 @@ _SCORED = ("tokens", "segment_ids", "positions", "vision")
 
 
 @jax.jit
-def _mismatch(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> jax.Array:  # [K, b, S] each -> []
+def _mismatch(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> dict[str, float]:  # [K, b, S] each
+    """logprob_mismatch (the mean over the mask of |sampler - trainer|) and logprob_mismatch_max."""
     m = mask.astype(jnp.float32)
-    return jnp.sum(jnp.abs(sampler - trainer) * m) / jnp.maximum(jnp.sum(m), 1.0)
+    gap = jnp.abs(sampler - trainer) * m
+    return {"logprob_mismatch": float(jnp.sum(gap) / jnp.maximum(jnp.sum(m), 1.0)),
+            "logprob_mismatch_max": float(jnp.max(gap))}
 
 
 class OnlineRun(ObjectiveRun):
@@ -203,9 +206,9 @@ class OnlineRun(ObjectiveRun):
             host = vision_batch(host, self.config, grad_accum=o.grad_accum, max_patches=o.max_patches, step=step)
         placed = place_batch(host, self.mesh, o.grad_accum, self.shard_count)
         if not self.step_options.on_policy:  # several updates: the old log-probs are fixed before the first
-            sampler = placed.pop("sampler_log_probs")
+            sampler = placed["sampler_log_probs"] if o.rollout_is else placed.pop("sampler_log_probs")
             placed["old_log_probs"] = self._log_probs(state.params, placed)
-            mismatch = {"logprob_mismatch": float(_mismatch(sampler, placed["old_log_probs"], placed["loss_mask"]))}
+            mismatch = _mismatch(sampler, placed["old_log_probs"], placed["loss_mask"])
         else:  # the step's own forward gives the old log-probs and their mismatch with the sampler's
             mismatch = {}
         if self.ref_params is not None:

@@ -124,4 +124,4 @@ def step_options_of(options: TrainOptions, loss: str, *, on_policy: bool = False
         kl_estimator=options.kl_estimator, backend=options.logprob_backend, lm_head_mode=options.lm_head,
         freeze_vision=options.freeze_vision, dual_clip=options.clip_ratio_c if loss == "ppo" else None,
         sequence_ratio=options.policy_loss == "gspo", loss_agg=options.loss_agg,
-        on_policy=on_policy)
+        on_policy=on_policy, rollout_is=options.rollout_is, rollout_is_threshold=options.rollout_is_threshold)

@@ -23,7 +23,7 @@ from qwen35_kernels.choices import ATTENTION_IMPLEMENTATIONS, GDN_PRECISIONS, LO
 from qwen35_jax.config import GDN_SP_MODES, REMAT_POLICIES, RUN_DTYPES, SCAN_LAYERS_FLAGS
 from qwen35_jax.data.packing import LONG_ROW_POLICIES
 from qwen35_jax.data.rows import BAD_ROW_POLICIES
-from qwen35_jax.loss_aggregation import LOSS_AGGREGATIONS
+from qwen35_jax.loss_aggregation import LOSS_AGGREGATIONS, ROLLOUT_IS_LEVELS
 
 
 # The choices of every option that has a fixed list: the command lines (train.py, logprobs.py,
@@ -37,6 +37,7 @@ CHOICES = {
     "advantage": ("grpo", "drgrpo", "rloo"),
     "loss_agg": LOSS_AGGREGATIONS,
     "policy_loss": ("ppo", "gspo"),
+    "rollout_is": ROLLOUT_IS_LEVELS,
     "kl_estimator": ("k1", "k2", "k3", "low_var_kl"),
     "param_dtype": RUN_DTYPES,
     "compute_dtype": RUN_DTYPES,
@@ -95,6 +96,10 @@ class TrainOptions:
                                        "seq-mean-token-sum-norm (token sums / --max-new-tokens; Dr. GRPO)", "rl")
     policy_loss: str = _opt("ppo", "grpo: ppo (per-token ratios) or gspo (each completion's length-normalised "
                                    "sequence ratio, clipped as a whole)", "rl")
+    rollout_is: str | None = _opt(None, "grpo: weight the policy loss by the trainer's / the sampler's probability "
+                                        "of the sampled tokens, per token or per sequence, truncated at "
+                                        "--rollout-is-threshold (default: off)", "rl")
+    rollout_is_threshold: float = _opt(2.0, "grpo: the largest --rollout-is weight", "rl")
     mask_truncated: bool = _opt(False, "grpo: completions cut by --max-new-tokens add nothing to the loss (their "
                                        "rewards still count in their groups' advantages)", "rl")
     stop_token_ids: str | None = _opt(None, "grpo: comma-separated ids that end a completion (default: the "
@@ -167,7 +172,7 @@ class TrainOptions:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("lr", "temperature", "clip_ratio", "adam_eps"):
+        for name in ("lr", "temperature", "clip_ratio", "adam_eps", "rollout_is_threshold"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"--{flag(name)} must be > 0, got {getattr(self, name)}")
         for name in ("clip_norm", "clip_ratio_high", "peak_tflops", "batch_size", "schedule_steps", "min_pixels",
@@ -187,7 +192,7 @@ class TrainOptions:
             raise ValueError("--objective grpo needs --reward (FILE.py:FUNCTION or package.module:function)")
         if self.clip_ratio_c is not None and not self.clip_ratio_c > 1:
             raise ValueError(f"--clip-ratio-c must be > 1, got {self.clip_ratio_c}")
-        for name, default in (("loss_agg", "token-mean"), ("policy_loss", "ppo")):
+        for name, default in (("loss_agg", "token-mean"), ("policy_loss", "ppo"), ("rollout_is", None)):
             if getattr(self, name) != default and self.objective != "grpo":
                 raise ValueError(f"--{flag(name)} {getattr(self, name)} applies to --objective grpo only")
         if self.advantage == "rloo" and self.group_size < 2:

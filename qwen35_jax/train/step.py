@@ -22,8 +22,8 @@ from jax.sharding import PartitionSpec as P
 from qwen35_kernels.choices import KernelChoices
 
 from qwen35_jax.labels import IGNORE, next_token_labels
-from qwen35_jax.loss_aggregation import LOSS_AGGREGATIONS
-from qwen35_jax.losses import KL_ESTIMATORS, policy_terms
+from qwen35_jax.loss_aggregation import LOSS_AGGREGATIONS, ROLLOUT_IS_LEVELS
+from qwen35_jax.losses import KL_ESTIMATORS, policy_terms, rollout_is_weights
 from qwen35_jax.parallel.mesh import FSDP, SP
 from qwen35_jax.scoring import ScoreOptions, score_tokens
 from qwen35_jax.train.optim import Params
@@ -55,6 +55,10 @@ class StepOptions:
     # PPO with one update per rollout: the old log-probs are the step's own, detached (the ratio is 1
     # exactly), so the batch needs none and no forward pass computes them beforehand
     on_policy: bool = False
+    # PPO: weight the clipped surrogate by the truncated trainer / sampler probability ratio of the
+    # batch's "sampler_log_probs", per token or per row (`losses.rollout_is_weights`); None: off
+    rollout_is: str | None = None
+    rollout_is_threshold: float = 2.0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -68,8 +72,11 @@ class StepOptions:
         if self.loss_agg not in LOSS_AGGREGATIONS:
             raise ValueError(f"loss_agg must be one of {LOSS_AGGREGATIONS}, got {self.loss_agg!r}")
         if self.objective == "sft" and (self.loss_agg != "token-mean" or self.sequence_ratio or self.dual_clip
-                                        or self.on_policy):
-            raise ValueError("loss_agg, sequence_ratio, dual_clip and on_policy apply to the ppo objective only")
+                                        or self.on_policy or self.rollout_is):
+            raise ValueError("loss_agg, sequence_ratio, dual_clip, on_policy and rollout_is apply to the ppo "
+                             "objective only")
+        if self.rollout_is is not None and self.rollout_is not in ROLLOUT_IS_LEVELS:
+            raise ValueError(f"rollout_is must be one of {ROLLOUT_IS_LEVELS} or None, got {self.rollout_is!r}")
 
     @property
     def scoring(self) -> ScoreOptions:
@@ -82,7 +89,8 @@ class StepOptions:
             return ()
         fields = tuple(f for f in PPO_FIELDS if not (self.on_policy and f == "old_log_probs"))
         return (fields + (("ref_log_probs",) if self.kl_coef > 0 else ())
-                + (("loss_weights",) if self.loss_agg != "token-mean" else ()))
+                + (("loss_weights",) if self.loss_agg != "token-mean" else ())
+                + (("sampler_log_probs",) if self.rollout_is else ()))
 
 
 def loss_mask_of(tokens: jax.Array, segment_ids: jax.Array, loss_mask: jax.Array | None) -> jax.Array:
@@ -96,19 +104,26 @@ def token_terms(options: StepOptions, log_probs: jax.Array, entropy: jax.Array,
                 batch: Batch, mask: jax.Array) -> dict[str, jax.Array]:
     """Per-token objective terms [B, S] ("loss" and what is logged) of one micro-batch (`mask` [B, S]:
     its loss tokens, over which GSPO takes each row's sequence ratio). A batch with the sampler's
-    log-probs ("sampler_log_probs") also logs logprob_mismatch, |sampler - these log-probs|."""
+    log-probs ("sampler_log_probs") also logs logprob_mismatch, |sampler - these log-probs| (its mean
+    and, as logprob_mismatch_max, its largest), and with `rollout_is` the weights' mean and the share
+    truncated."""
     if options.objective == "sft":
         return {"loss": -log_probs, "nll": -log_probs, "entropy": entropy}
     old = jax.lax.stop_gradient(log_probs) if options.on_policy else batch["old_log_probs"]
+    is_terms: dict[str, jax.Array] = {}
+    if options.rollout_is:
+        weights, truncated = rollout_is_weights(old, batch["sampler_log_probs"], mask, level=options.rollout_is,
+                                                threshold=options.rollout_is_threshold)
+        is_terms = {"rollout_is_weight": weights, "rollout_is_truncated": truncated.astype(jnp.float32)}
     terms = policy_terms(
         log_probs, old, batch["advantages"], clip_low=options.clip_low,
         clip_high=options.clip_high, dual_clip=options.dual_clip, entropy=entropy, entropy_coef=options.entropy_coef,
         ref_log_probs=batch.get("ref_log_probs") if options.kl_coef > 0 else None,
         kl_coef=options.kl_coef, kl_estimator=options.kl_estimator,
-        sequence_mask=mask if options.sequence_ratio else None)
+        sequence_mask=mask if options.sequence_ratio else None, is_weights=is_terms.get("rollout_is_weight"))
     if "sampler_log_probs" in batch:
         terms["logprob_mismatch"] = jnp.abs(jax.lax.stop_gradient(log_probs) - batch["sampler_log_probs"])
-    return terms
+    return {**terms, **is_terms}
 
 
 def _micro_sums(options: StepOptions, graphdef: nnx.GraphDef, params: Params, micro: Batch,
@@ -126,6 +141,8 @@ def _micro_sums(options: StepOptions, graphdef: nnx.GraphDef, params: Params, mi
         vision=micro.get("vision"))
     terms = token_terms(options, log_probs, entropy, micro, mask)
     sums = {name: jnp.sum(x * mask) for name, x in terms.items()}
+    if "logprob_mismatch" in terms:  # a largest value, not a sum (`_accumulate` keeps the maximum)
+        sums["logprob_mismatch_max"] = jnp.max(terms["logprob_mismatch"] * mask)
     if options.loss_agg == "token-mean":
         return sums["loss"] / denominator, jax.lax.stop_gradient(sums)
     weighted = jnp.sum(terms["loss"] * mask * micro["loss_weights"])
@@ -145,14 +162,23 @@ def _sum_over_micro_batches(fn: Callable[[Batch, jax.Array], Any], batch: Batch,
     if masks.shape[0] == 1:
         return first
     rest = (jax.tree.map(lambda x: x[1:], batch), masks[1:])
-    return jax.lax.scan(lambda acc, xs: (jax.tree.map(jnp.add, acc, fn(*xs)), None), first, rest)[0]
+    return jax.lax.scan(lambda acc, xs: (_accumulate(acc, fn(*xs)), None), first, rest)[0]
+
+
+def _accumulate(total: Any, new: Any) -> Any:
+    """total + new, leaf by leaf; a metric named *_max keeps the larger of the two."""
+    def combine(path: Any, a: jax.Array, b: jax.Array) -> jax.Array:
+        name = getattr(path[-1], "key", "") if path else ""
+        return jnp.maximum(a, b) if isinstance(name, str) and name.endswith("_max") else a + b
+    return jax.tree_util.tree_map_with_path(combine, total, new)
 
 
 def _normalise(sums: dict[str, jax.Array], tokens: jax.Array, options: StepOptions) -> dict[str, jax.Array]:
     """Token means of the summed terms; a weighted loss (not token-mean) is already normalised."""
     denominator = jnp.maximum(tokens, 1.0)
     keep = () if options.loss_agg == "token-mean" else ("loss",)
-    return {**{name: s if name in keep else s / denominator for name, s in sums.items()}, "tokens": tokens}
+    return {**{name: s if name in keep or name.endswith("_max") else s / denominator for name, s in sums.items()},
+            "tokens": tokens}
 
 
 UPDATE_FORMS = ("cond", "select")
