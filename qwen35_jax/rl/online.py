@@ -129,12 +129,11 @@ _SCORED = ("tokens", "segment_ids", "positions", "vision")
 
 
 @jax.jit
-def _mismatch(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> dict[str, float]:  # [K, b, S] each
-    """logprob_mismatch (the mean over the mask of |sampler - trainer|) and logprob_mismatch_max."""
+def _mismatch(sampler: jax.Array, trainer: jax.Array, mask: jax.Array) -> dict[str, jax.Array]:  # [K, b, S] each
+    """logprob_mismatch (the mean over the mask of |sampler - trainer|) and logprob_mismatch_max, scalars."""
     m = mask.astype(jnp.float32)
     gap = jnp.abs(sampler - trainer) * m
-    return {"logprob_mismatch": float(jnp.sum(gap) / jnp.maximum(jnp.sum(m), 1.0)),
-            "logprob_mismatch_max": float(jnp.max(gap))}
+    return {"logprob_mismatch": jnp.sum(gap) / jnp.maximum(jnp.sum(m), 1.0), "logprob_mismatch_max": jnp.max(gap)}
 
 
 class OnlineRun(ObjectiveRun):
@@ -208,7 +207,8 @@ class OnlineRun(ObjectiveRun):
         if not self.step_options.on_policy:  # several updates: the old log-probs are fixed before the first
             sampler = placed["sampler_log_probs"] if o.rollout_is else placed.pop("sampler_log_probs")
             placed["old_log_probs"] = self._log_probs(state.params, placed)
-            mismatch = _mismatch(sampler, placed["old_log_probs"], placed["loss_mask"])
+            gaps = _mismatch(sampler, placed["old_log_probs"], placed["loss_mask"])
+            mismatch = {name: float(value) for name, value in gaps.items()}
         else:  # the step's own forward gives the old log-probs and their mismatch with the sampler's
             mismatch = {}
         if self.ref_params is not None:
