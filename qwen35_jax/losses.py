@@ -12,6 +12,8 @@ import jax.numpy as jnp
 from qwen35_kernels import linear_logprob_entropy
 from qwen35_kernels.choices import KernelChoices
 
+from qwen35_jax.loss_aggregation import ROLLOUT_IS_LEVELS
+
 AGGREGATIONS = ("token_mean", "seq_mean")  # of `policy_loss`, the library function on one array
 
 
@@ -185,7 +187,7 @@ def rollout_is_weights(
     TRL's vllm_importance_sampling_correction): "token": min(exp(old - sampler), threshold) per token;
     "sequence": min(exp(sum over the row's tokens of old - sampler), threshold) on every token of the
     row. `truncated` marks the weights that hit the threshold. 0 where the mask is 0."""
-    if level not in ("token", "sequence"):
+    if level not in ROLLOUT_IS_LEVELS:
         raise ValueError(f"rollout importance sampling level must be token or sequence, got {level!r}")
     if not threshold > 0:
         raise ValueError(f"rollout importance sampling threshold must be > 0, got {threshold}")
